@@ -1,0 +1,32 @@
+"""Named failpoints for tests only: `TIERFS_FAILPOINTS=name[=action],...` in the daemon's environment.
+
+Actions: `raise` (default; an unexpected exception at that point) or `kill` (SIGKILL of the daemon itself,
+for crash-consistency tests). Parsed once at import; an unset variable costs one frozenset lookup per check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_ACTIVE: dict[str, str] = {}
+for _item in filter(None, os.environ.get("TIERFS_FAILPOINTS", "").split(",")):
+    _name, _, _action = _item.partition("=")
+    _ACTIVE[_name.strip()] = (_action or "raise").strip()
+
+
+class FailpointError(RuntimeError):
+    """Raised by an armed failpoint; deliberately not an OSError so it exercises the generic error path."""
+
+
+def enabled() -> bool:
+    return bool(_ACTIVE)
+
+
+def hit(name: str) -> None:
+    action = _ACTIVE.get(name)
+    if action is None:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise FailpointError(f"failpoint {name}")

@@ -1,0 +1,103 @@
+"""Inode table: FUSE inode numbers <-> paths in the hot dir, with kernel lookup counts and open fds.
+
+FUSE inode numbers are the hot dir's own st_ino (stable across remounts, so NFS-style handles and the kernel's
+caches stay coherent); the hot dir root is ROOT_INODE. An inode keeps every path it is known by (hard links) and
+the fds open on it, so a file that was unlinked while open or mapped keeps working through its fds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyfuse3
+
+ROOT = pyfuse3.ROOT_INODE
+
+
+class InodeTable:
+    def __init__(self, root_ino: int):
+        self._root_ino = root_ino
+        self.paths: dict[int, set[str]] = {ROOT: {""}}
+        self.by_path: dict[str, int] = {"": ROOT}
+        self.lookups: dict[int, int] = {ROOT: 1}
+        self.fds: dict[int, set[int]] = {}
+
+    def ino_of(self, st: os.stat_result) -> int:
+        return ROOT if st.st_ino == self._root_ino else st.st_ino
+
+    def path(self, inode: int) -> str | None:
+        """Any current path of the inode ('' for the root), or None if it has none left (unlinked)."""
+        ps = self.paths.get(inode)
+        if not ps:
+            return None
+        return next(iter(ps))
+
+    def remember(self, inode: int, path: str, count: int = 1) -> None:
+        """The kernel now knows `inode` by `path`; take `count` lookup references on it."""
+        old = self.by_path.get(path)
+        if old is not None and old != inode:
+            self.paths.get(old, set()).discard(path)
+        self.by_path[path] = inode
+        self.paths.setdefault(inode, set()).add(path)
+        self.lookups[inode] = self.lookups.get(inode, 0) + count
+
+    def forget(self, inode: int, n: int) -> None:
+        left = self.lookups.get(inode, 0) - n
+        if left > 0:
+            self.lookups[inode] = left
+            return
+        self.lookups.pop(inode, None)
+        if inode != ROOT and not self.fds.get(inode):
+            self._drop_inode(inode)
+
+    def _drop_inode(self, inode: int) -> None:
+        for p in self.paths.pop(inode, ()):
+            if self.by_path.get(p) == inode:
+                del self.by_path[p]
+
+    def unlinked(self, inode: int, path: str) -> None:
+        ps = self.paths.get(inode)
+        if ps is not None:
+            ps.discard(path)
+        if self.by_path.get(path) == inode:
+            del self.by_path[path]
+
+    def renamed(self, old: str, new: str, is_dir: bool) -> None:
+        """Rewrite every known path under `old` (a file, or a directory and all below it) to live under `new`.
+
+        Only a directory rename walks the table; the broker never renames directories, so the common
+        case (config `.tmp` -> name) stays O(1)."""
+        self.drop_path(new)
+        moved = [old] if old in self.by_path else []
+        if is_dir:
+            prefix = old + "/"
+            moved += [p for p in self.by_path if p.startswith(prefix)]
+        for p in moved:
+            inode = self.by_path.pop(p)
+            q = new + p[len(old):]
+            ps = self.paths.setdefault(inode, set())
+            ps.discard(p)
+            ps.add(q)
+            self.by_path[q] = inode
+
+    def drop_path(self, path: str) -> None:
+        """A path was replaced (rename over it): whichever inode held it no longer does."""
+        inode = self.by_path.pop(path, None)
+        if inode is not None:
+            self.paths.get(inode, set()).discard(path)
+
+    def opened(self, inode: int, fd: int) -> None:
+        self.fds.setdefault(inode, set()).add(fd)
+
+    def closed(self, inode: int, fd: int) -> None:
+        s = self.fds.get(inode)
+        if s is not None:
+            s.discard(fd)
+            if not s:
+                del self.fds[inode]
+                if inode not in self.lookups:
+                    self._drop_inode(inode)
+
+    def any_fd(self, inode: int) -> int | None:
+        s = self.fds.get(inode)
+        return next(iter(s)) if s else None

@@ -1,0 +1,262 @@
+"""Mount lifecycle: refuse bad set-ups up front, mount, tune the kernel side, serve until unmount or a signal.
+
+The daemon holds an fcntl lock on HOT_DIR/.tierfs/daemon.lock for its whole life, so a second daemon on the
+same hot dir is refused instead of corrupting it. Its pid file is removed only on a clean exit, which is how
+`tierfs umount` tells a clean shutdown from a crash.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from tierfs import __version__
+from tierfs.config import Config
+from tierfs.fs.operations import STATE_DIR_NAME, TierOperations
+from tierfs.fs.stats import FsStats
+
+log = logging.getLogger("tierfs.mount")
+
+
+class MountError(RuntimeError):
+    """A set-up the daemon refuses to mount, with the reason and the fix."""
+
+
+@dataclass(frozen=True)
+class MountPaths:
+    hot: Path
+    mountpoint: Path
+
+    @property
+    def state(self) -> Path:
+        return self.hot / STATE_DIR_NAME
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state / "daemon.pid"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.state / "daemon.lock"
+
+    def log_file(self, config: Config) -> Path:
+        return Path(config["mount.log_file"] or self.state / "tierfs.log")
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_paths(hot_dir: str, mountpoint: str) -> MountPaths:
+    """Validate the two directories before anything is mounted; every refusal says what to do instead."""
+    hot = Path(hot_dir).resolve()
+    mnt = Path(mountpoint).resolve()
+    if not hot.exists():
+        raise MountError(f"hot dir {hot_dir!r} does not exist; create it first (mkdir -p {hot})")
+    if not hot.is_dir():
+        raise MountError(f"hot dir {hot_dir!r} is not a directory")
+    if not mnt.exists():
+        raise MountError(f"mountpoint {mountpoint!r} does not exist; create it first (mkdir -p {mnt})")
+    if not mnt.is_dir():
+        raise MountError(f"mountpoint {mountpoint!r} is not a directory")
+    if _inside(mnt, hot):
+        raise MountError(f"mountpoint {mnt} is inside the hot dir {hot}; use a directory outside it")
+    if _inside(hot, mnt):
+        raise MountError(f"hot dir {hot} is inside the mountpoint {mnt}; use a directory outside it")
+    if is_mounted(mnt):
+        raise MountError(f"mountpoint {mnt} is already a mount; unmount it first (tierfs umount {mnt})")
+    if any(mnt.iterdir()):
+        raise MountError(f"mountpoint {mnt} is not empty; mount on an empty directory")
+    return MountPaths(hot, mnt)
+
+
+def mount_table() -> list[tuple[str, str, str]]:
+    """(source, mountpoint, fstype) of every mount, from /proc/self/mounts with octal escapes decoded."""
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3:
+                dec = [bytes(p, "ascii").decode("unicode_escape") for p in parts[:3]]
+                out.append((dec[0], dec[1], dec[2]))
+    return out
+
+
+def is_mounted(mountpoint: Path | str, fstype_prefix: str = "") -> bool:
+    mp = str(Path(mountpoint).resolve())
+    return any(m == mp and t.startswith(fstype_prefix) for _, m, t in mount_table())
+
+
+def hot_dir_of(mountpoint: Path | str) -> Path | None:
+    """The hot dir a tierfs mount serves (our fsname), or None when it is not a tierfs mount."""
+    mp = str(Path(mountpoint).resolve())
+    for src, m, t in mount_table():
+        if m == mp and t == "fuse.tierfs":
+            return Path(src)
+    return None
+
+
+def _mount_dev(mountpoint: Path) -> tuple[int, int] | None:
+    """major:minor of our mount, read from mountinfo (a stat of the mountpoint would call into ourselves)."""
+    mp = str(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if bytes(parts[4], "ascii").decode("unicode_escape") == mp:
+                major, minor = parts[2].split(":")
+                found = (int(major), int(minor))  # the last one wins: the newest mount on that path
+    return found
+
+
+def tune_kernel(mountpoint: Path, config: Config) -> None:
+    """Raise read-ahead (bdi) and max_background (fusectl) for the mount; best effort, logged."""
+    dev = _mount_dev(mountpoint)
+    if dev is None:
+        return
+    major, minor = dev
+    ra = int(config["mount.read_ahead_kb"])
+    if ra:
+        _write_sys(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb", ra)
+    bg = int(config["mount.max_background"])
+    if bg:
+        ctl = Path("/sys/fs/fuse/connections")
+        if ctl.is_dir() and not any(ctl.iterdir()):
+            os.system("mount -t fusectl none /sys/fs/fuse/connections >/dev/null 2>&1")
+        conn = ctl / str(os.makedev(major, minor))
+        if not conn.exists():
+            conn = ctl / str(minor)
+        _write_sys(str(conn / "max_background"), bg)
+        _write_sys(str(conn / "congestion_threshold"), max(bg * 3 // 4, 1))
+
+
+def _write_sys(path: str, value: int) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(str(value))
+        log.info("set %s = %s", path, value)
+    except OSError as e:
+        log.info("could not set %s (%s); keeping the kernel default", path, e.strerror)
+
+
+def setup_logging(log_file: Path, level: str, also_stderr: bool) -> None:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
+    if also_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class _DaemonLock:
+    """fcntl lock on the state dir: one daemon per hot dir."""
+
+    def __init__(self, paths: MountPaths):
+        paths.state.mkdir(exist_ok=True)
+        self.fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = "unknown"
+            try:
+                holder = paths.pid_file.read_text().strip()
+            except OSError:
+                pass
+            os.close(self.fd)
+            raise MountError(f"another tierfs daemon (pid {holder}) already serves hot dir {paths.hot}; "
+                             f"unmount it first") from None
+
+
+def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = True) -> int:
+    """Mount and serve until unmounted or signalled. Returns the process exit code."""
+    paths = check_paths(hot_dir, mountpoint)
+    lock = _DaemonLock(paths)
+    setup_logging(paths.log_file(config), config["mount.log_level"], foreground_log)
+    os.umask(0)  # the request's umask is applied per request, once
+    stats = FsStats()
+    ops = TierOperations(str(paths.hot), config, stats)
+    from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
+
+    install_views(ops, paths, config)
+    options = set(pyfuse3.default_options)
+    options |= {f"fsname={paths.hot}", "subtype=tierfs"}
+    if config["mount.allow_other"]:
+        options.add("allow_other")
+    log.info("tierfs %s mounting %s at %s (pid %d)", __version__, paths.hot, paths.mountpoint, os.getpid())
+    pyfuse3.init(ops, str(paths.mountpoint), options)
+    paths.pid_file.write_text(f"{os.getpid()}\n")
+    clean = False
+    try:
+        trio.run(_run, ops, paths, config)
+        clean = True
+    except BaseException:
+        log.exception("daemon main loop failed")
+        raise
+    finally:
+        pyfuse3.close(unmount=True)
+        if clean:
+            paths.pid_file.unlink(missing_ok=True)
+            log.info("unmounted %s; clean exit", paths.mountpoint)
+        os.close(lock.fd)
+    return 0
+
+
+async def _run(ops: TierOperations, paths: MountPaths, config: Config) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
+        await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def wait_until_mounted(mountpoint: Path, pid: int, timeout: float = 30.0) -> bool:
+    """True once the mount answers a stat through the kernel; False if the daemon died first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        if not _alive(pid):
+            return False
+        if is_mounted(mountpoint, "fuse.tierfs"):
+            try:
+                os.stat(mountpoint / ".tierfs" / "status")
+                return True
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def read_json_status(mountpoint: Path) -> dict:
+    return json.loads((mountpoint / ".tierfs" / "status.json").read_text())

@@ -1,0 +1,523 @@
+"""pyfuse3 Operations: the store as the broker sees it, backed 1:1 by the hot dir.
+
+Every handler is wrapped by `_handler`, which times it into FsStats and turns failures into errno replies:
+an OSError becomes its own errno, anything else is logged with the path and answered EIO, so a bug in one
+request can never kill the daemon. Local file I/O runs inline on the trio loop (a thread hop costs more than a
+page-cache pread); fsync and directory scans, which can take milliseconds, go to worker threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from typing import Any, Awaitable, Callable
+
+import pyfuse3
+import trio
+
+from tierfs import failpoints
+from tierfs.config import Config
+from tierfs.fs import control
+from tierfs.fs.control import ControlDir
+from tierfs.fs.inodes import ROOT, InodeTable
+from tierfs.fs.stats import FsStats
+
+log = logging.getLogger("tierfs.fs")
+
+STATE_DIR_NAME = ".tierfs"  # inside the hot dir: catalog, lock, log. Shadowed by the control dir in the mount.
+_CONTROL_FH_BASE = 1 << 40
+_EXPECTED_ERRNOS = frozenset((errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EAGAIN))
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+
+
+def _renameat2(old: str, new: str, flags: int) -> None:
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _handler(name: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: "TierOperations", *args: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            failed = False
+            try:
+                if failpoints.enabled():
+                    failpoints.hit("fs." + name)
+                return await fn(self, *args)
+            except pyfuse3.FUSEError as e:
+                failed = e.errno not in _EXPECTED_ERRNOS
+                raise
+            except OSError as e:
+                failed = e.errno not in _EXPECTED_ERRNOS
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+            except (trio.Cancelled, KeyboardInterrupt):
+                raise
+            except BaseException:
+                failed = True
+                log.exception("%s failed (%s); answered EIO", name, self.describe(args))
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            finally:
+                self.stats.record(name, time.perf_counter_ns() - t0, failed)
+
+        return wrapper
+
+    return deco
+
+
+class _DirHandle:
+    __slots__ = ("inode", "path", "names")
+
+    def __init__(self, inode: int, path: str):
+        self.inode = inode
+        self.path = path
+        self.names: list[str] | None = None
+
+
+class TierOperations(pyfuse3.Operations):
+    enable_writeback_cache = True
+
+    def __init__(self, hot_dir: str, config: Config, stats: FsStats | None = None):
+        super().__init__()
+        self.hot = os.path.abspath(hot_dir)
+        self.config = config
+        self.enable_writeback_cache = bool(config["mount.writeback_cache"])
+        self.timeout = float(config["mount.attr_timeout"])
+        self.stats = stats or FsStats()
+        self.inodes = InodeTable(os.lstat(self.hot).st_ino)
+        self.control = ControlDir(os.getuid(), os.getgid())
+        self._fh_inode: dict[int, int] = {}
+        self._dirs: dict[int, _DirHandle] = {}
+        self._control_fh: dict[int, bytes] = {}
+        self._next_handle = 1
+        self._is_root = os.geteuid() == 0
+
+    # ---------------------------------------------------------------- helpers
+
+    def describe(self, args: tuple) -> str:
+        """Best-effort path of a request's inode or handle, for log lines."""
+        if not args:
+            return "-"
+        first = args[0]
+        if isinstance(first, int):
+            ino = self._fh_inode.get(first, first)
+            p = self.inodes.path(ino)
+            if p is not None:
+                return "/" + p
+            return f"inode {first}"
+        return repr(first)
+
+    def _full(self, rel: str) -> str:
+        return self.hot + "/" + rel if rel else self.hot
+
+    def _rel(self, inode: int) -> str:
+        p = self.inodes.path(inode)
+        if p is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return p
+
+    def _child(self, parent: int, name: bytes) -> str:
+        if parent == ROOT and name == control.NAME.encode():
+            raise pyfuse3.FUSEError(errno.EPERM)  # the control dir's name is reserved
+        if control.ControlDir.owns(parent):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        p = self._rel(parent)
+        n = os.fsdecode(name)
+        return p + "/" + n if p else n
+
+    def _attrs(self, st: os.stat_result, inode: int) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = inode
+        e.generation = 0
+        e.entry_timeout = self.timeout
+        e.attr_timeout = self.timeout
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        return e
+
+    def _entry(self, rel: str) -> pyfuse3.EntryAttributes:
+        """lstat a path, register it, and answer with one new lookup reference."""
+        st = os.lstat(self._full(rel))
+        ino = self.inodes.ino_of(st)
+        self.inodes.remember(ino, rel)
+        return self._attrs(st, ino)
+
+    def _stat_inode(self, inode: int) -> os.stat_result:
+        rel = self.inodes.path(inode)
+        if rel is not None:
+            try:
+                return os.lstat(self._full(rel))
+            except FileNotFoundError:
+                pass
+        fd = self.inodes.any_fd(inode)
+        if fd is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return os.fstat(fd)  # unlinked but still open or mapped
+
+    def _chown_new(self, path: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
+        if not self._is_root:
+            return
+        if fd is not None:
+            os.fchown(fd, ctx.uid, ctx.gid)
+        else:
+            os.lchown(path, ctx.uid, ctx.gid)
+
+    @staticmethod
+    def _backing_flags(flags: int) -> int:
+        """Flags for the backing fd. O_DIRECT is stripped (the page cache is the kernel's job here); with the
+        writeback cache the kernel may read to fill partial pages and implements O_APPEND itself."""
+        flags &= ~(os.O_DIRECT | os.O_CREAT | os.O_EXCL | os.O_NOCTTY)
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            flags = (flags & ~os.O_ACCMODE) | os.O_RDWR
+        return flags & ~os.O_APPEND
+
+    # ---------------------------------------------------------------- names and attributes
+
+    @_handler("lookup")
+    async def lookup(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if control.ControlDir.owns(parent):
+            if name == b"..":
+                return await self.getattr(ROOT, ctx)
+            ino = self.control.inode_of(os.fsdecode(name))
+            if ino is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self.control.attrs(ino)
+        if parent == ROOT and name == control.NAME.encode():
+            return self.control.attrs(control.DIR_INODE)
+        if name == b".":
+            return self._entry(self._rel(parent))
+        if name == b"..":
+            p = self._rel(parent)
+            return self._entry(p.rpartition("/")[0])
+        p = self._rel(parent)
+        n = os.fsdecode(name)
+        return self._entry(p + "/" + n if p else n)
+
+    @_handler("forget")
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, n in inode_list:
+            if not control.ControlDir.owns(inode):
+                self.inodes.forget(inode, n)
+
+    @_handler("getattr")
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if control.ControlDir.owns(inode):
+            return self.control.attrs(inode)
+        return self._attrs(self._stat_inode(inode), inode)
+
+    @_handler("setattr")
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if control.ControlDir.owns(inode):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        fd = fh if fh is not None and fh in self._fh_inode else None
+        rel = self.inodes.path(inode)
+        if fd is None and rel is None:
+            fd = self.inodes.any_fd(inode)
+        target: Any = fd if fd is not None else self._full(self._rel(inode))
+        if fields.update_size:
+            if fd is not None:
+                os.ftruncate(fd, attr.st_size)
+            else:
+                os.truncate(target, attr.st_size)
+        if fields.update_mode:
+            st = self._stat_inode(inode)
+            if not stat.S_ISLNK(st.st_mode):
+                os.chmod(target, stat.S_IMODE(attr.st_mode))
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            if fd is not None:
+                os.fchown(fd, uid, gid)
+            else:
+                os.lchown(target, uid, gid)
+        if fields.update_atime or fields.update_mtime:
+            st = self._stat_inode(inode)
+            atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns
+            if fd is not None:
+                os.utime(fd, ns=(atime, mtime))
+            else:
+                os.utime(target, ns=(atime, mtime), follow_symlinks=False)
+        return self._attrs(self._stat_inode(inode), inode)
+
+    @_handler("readlink")
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return os.fsencode(os.readlink(self._full(self._rel(inode))))
+
+    @_handler("statfs")
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        sv = os.statvfs(self.hot)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = sv.f_bsize
+        out.f_frsize = sv.f_frsize
+        out.f_blocks, out.f_bfree, out.f_bavail = self.capacity_blocks(sv)
+        out.f_files = sv.f_files
+        out.f_ffree = sv.f_ffree
+        out.f_favail = sv.f_favail
+        out.f_namemax = sv.f_namemax
+        return out
+
+    def capacity_blocks(self, sv: os.statvfs_result) -> tuple[int, int, int]:
+        """(blocks, free, available) the broker plans against (DESIGN §9): the configured capacity when set,
+        but never more free space than the hot dir really has, so real local pressure shows through."""
+        cap = int(self.config["statfs.capacity_bytes"])
+        if not cap:
+            return sv.f_blocks, sv.f_bfree, sv.f_bavail
+        blocks = max(cap // sv.f_frsize, 1)
+        used = sv.f_blocks - sv.f_bfree
+        free = max(min(blocks - used, sv.f_bfree), 0)
+        avail = max(min(blocks - used, sv.f_bavail), 0)
+        return blocks, free, avail
+
+    # ---------------------------------------------------------------- namespace changes
+
+    @_handler("mknod")
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        os.mknod(full, mode & ~ctx.umask, rdev)
+        self._chown_new(full, ctx)
+        return self._entry(rel)
+
+    @_handler("mkdir")
+    async def mkdir(self, parent: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        os.mkdir(full, mode & ~ctx.umask & 0o7777)
+        self._chown_new(full, ctx)
+        return self._entry(rel)
+
+    @_handler("symlink")
+    async def symlink(self, parent: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        os.symlink(os.fsdecode(target), full)
+        self._chown_new(full, ctx)
+        return self._entry(rel)
+
+    @_handler("link")
+    async def link(self, inode: int, new_parent: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if control.ControlDir.owns(inode):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        rel = self._child(new_parent, new_name)
+        src = self.inodes.path(inode)
+        if src is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        os.link(self._full(src), self._full(rel), follow_symlinks=False)
+        return self._entry(rel)
+
+    @_handler("unlink")
+    async def unlink(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        ino = self.inodes.ino_of(os.lstat(full))
+        os.unlink(full)
+        self.inodes.unlinked(ino, rel)
+
+    @_handler("rmdir")
+    async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        ino = self.inodes.ino_of(os.lstat(full))
+        os.rmdir(full)
+        self.inodes.unlinked(ino, rel)
+
+    @_handler("rename")
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int,
+                     ctx: pyfuse3.RequestContext) -> None:
+        old = self._child(parent_old, name_old)
+        new = self._child(parent_new, name_new)
+        is_dir = stat.S_ISDIR(os.lstat(self._full(old)).st_mode)
+        if flags:
+            _renameat2(self._full(old), self._full(new), flags)
+        else:
+            os.rename(self._full(old), self._full(new))
+        if flags & 2:  # RENAME_EXCHANGE: both names stay, swapped
+            tmp = "\0exchange"
+            self.inodes.renamed(old, tmp, is_dir)
+            self.inodes.renamed(new, old, stat.S_ISDIR(os.lstat(self._full(old)).st_mode))
+            self.inodes.renamed(tmp, new, is_dir)
+        else:
+            self.inodes.renamed(old, new, is_dir)
+
+    # ---------------------------------------------------------------- files
+
+    def _new_file_handle(self, inode: int, fd: int) -> pyfuse3.FileInfo:
+        self._fh_inode[fd] = inode
+        self.inodes.opened(inode, fd)
+        return pyfuse3.FileInfo(fh=fd, keep_cache=True)
+
+    @_handler("open")
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if control.ControlDir.owns(inode):
+            if flags & os.O_ACCMODE != os.O_RDONLY or inode == control.DIR_INODE:
+                raise pyfuse3.FUSEError(errno.EROFS if inode != control.DIR_INODE else errno.EISDIR)
+            fh = _CONTROL_FH_BASE + self._next_handle
+            self._next_handle += 1
+            self._control_fh[fh] = self.control.render(inode)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        rel = self.inodes.path(inode)
+        if rel is None:  # unlinked, but the kernel still holds it (open by handle): reopen through /proc
+            fd0 = self.inodes.any_fd(inode)
+            if fd0 is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
+        else:
+            fd = os.open(self._full(rel), self._backing_flags(flags))
+        return self._new_file_handle(inode, fd)
+
+    @_handler("create")
+    async def create(self, parent: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        rel = self._child(parent, name)
+        full = self._full(rel)
+        bflags = self._backing_flags(flags)
+        try:
+            fd = os.open(full, bflags | os.O_CREAT | os.O_EXCL, mode & ~ctx.umask & 0o7777)
+            self._chown_new(full, ctx, fd)
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            fd = os.open(full, bflags)
+        try:
+            entry = self._entry(rel)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._new_file_handle(entry.st_ino, fd), entry
+
+    @_handler("read")
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        if fh >= _CONTROL_FH_BASE:
+            return self._control_fh[fh][off:off + size]
+        data = os.pread(fh, size, off)
+        self.stats.bytes_read += len(data)
+        return data
+
+    @_handler("write")
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        if fh >= _CONTROL_FH_BASE:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        n = os.pwrite(fh, buf, off)
+        self.stats.bytes_written += n
+        return n
+
+    @_handler("flush")
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @_handler("fsync")
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        if fh >= _CONTROL_FH_BASE:
+            return
+        await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
+
+    @_handler("release")
+    async def release(self, fh: int) -> None:
+        if fh >= _CONTROL_FH_BASE:
+            self._control_fh.pop(fh, None)
+            return
+        inode = self._fh_inode.pop(fh, None)
+        os.close(fh)
+        if inode is not None:
+            self.inodes.closed(inode, fh)
+
+    # ---------------------------------------------------------------- directories
+
+    @_handler("opendir")
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not control.ControlDir.owns(inode):
+            rel = self._rel(inode)
+            if not stat.S_ISDIR(os.lstat(self._full(rel)).st_mode):
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+        else:
+            rel = ""
+        h = self._next_handle
+        self._next_handle += 1
+        self._dirs[h] = _DirHandle(inode, rel)
+        return h
+
+    @_handler("readdir")
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        d = self._dirs[fh]
+        if control.ControlDir.owns(d.inode):
+            names = self.control.names()
+            for i in range(start_id, len(names)):
+                ino = self.control.inode_of(names[i])
+                if not pyfuse3.readdir_reply(token, names[i].encode(), self.control.attrs(ino), i + 1):
+                    return
+            return
+        if d.names is None or start_id == 0:
+            d.names = await trio.to_thread.run_sync(self._list_dir, d.path)
+        names = d.names
+        prefix = d.path + "/" if d.path else ""
+        for i in range(start_id, len(names)):
+            n = names[i]
+            if i < 2:  # '.' and '..': the kernel takes no lookup reference for these
+                rel = d.path if i == 0 else d.path.rpartition("/")[0]
+                st = os.lstat(self._full(rel))
+                if not pyfuse3.readdir_reply(token, n.encode(), self._attrs(st, self.inodes.ino_of(st)), i + 1):
+                    return
+                continue
+            if d.inode == ROOT and n == control.NAME:
+                attrs = self.control.attrs(control.DIR_INODE)
+                if not pyfuse3.readdir_reply(token, n.encode(), attrs, i + 1):
+                    return
+                continue
+            rel = prefix + n
+            try:
+                st = os.lstat(self._full(rel))
+            except FileNotFoundError:
+                continue
+            ino = self.inodes.ino_of(st)
+            if not pyfuse3.readdir_reply(token, os.fsencode(n), self._attrs(st, ino), i + 1):
+                return
+            self.inodes.remember(ino, rel)  # readdirplus: the kernel took a lookup reference
+
+    def _list_dir(self, rel: str) -> list[str]:
+        names = [".", ".."] + os.listdir(self._full(rel))
+        if not rel:  # the state dir is never visible; the control dir takes its name
+            if STATE_DIR_NAME in names:
+                names.remove(STATE_DIR_NAME)
+            names.append(control.NAME)
+        return names
+
+    @_handler("releasedir")
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @_handler("fsyncdir")
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        d = self._dirs.get(fh)
+        if d is None or control.ControlDir.owns(d.inode):
+            return
+        fd = os.open(self._full(d.path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            await trio.to_thread.run_sync(os.fsync, fd)
+        finally:
+            os.close(fd)
+
+    @_handler("access")
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        return True  # default_permissions: the kernel already checked mode bits
