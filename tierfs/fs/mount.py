@@ -61,7 +61,14 @@ def _inside(child: Path, parent: Path) -> bool:
 def check_paths(hot_dir: str, mountpoint: str) -> MountPaths:
     """Validate the two directories before anything is mounted; every refusal says what to do instead."""
     hot = Path(hot_dir).resolve()
-    mnt = Path(mountpoint).resolve()
+    mnt = Path(os.path.abspath(mountpoint))
+    try:
+        os.stat(mnt)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise MountError(f"mountpoint {mnt} is a dead mount left by a crashed daemon; clear it with "
+                             f"'fusermount3 -uz {mnt}' and mount again") from None
+    mnt = mnt.resolve()
     if not hot.exists():
         raise MountError(f"hot dir {hot_dir!r} does not exist; create it first (mkdir -p {hot})")
     if not hot.is_dir():
@@ -187,7 +194,13 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     setup_logging(paths.log_file(config), config["mount.log_level"], foreground_log)
     os.umask(0)  # the request's umask is applied per request, once
     stats = FsStats()
-    ops = TierOperations(str(paths.hot), config, stats)
+    from tierfs.tier.engine import Engine  # noqa: PLC0415
+
+    engine = None
+    if config["tiering.enabled"]:
+        engine = Engine(paths.hot, paths.state, config)
+        engine.reconcile()
+    ops = TierOperations(str(paths.hot), config, stats, engine)
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
 
     install_views(ops, paths, config)
@@ -200,7 +213,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     paths.pid_file.write_text(f"{os.getpid()}\n")
     clean = False
     try:
-        trio.run(_run, ops, paths, config)
+        trio.run(_run, ops, engine, paths, config)
         clean = True
     except BaseException:
         log.exception("daemon main loop failed")
@@ -214,12 +227,19 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     return 0
 
 
-async def _run(ops: TierOperations, paths: MountPaths, config: Config) -> None:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, nursery.cancel_scope)
-        nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
-        await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
-        nursery.cancel_scope.cancel()
+async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -> None:
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
+            if engine is not None:
+                await engine.run(nursery)
+            await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
+            nursery.cancel_scope.cancel()
+    finally:
+        if engine is not None:
+            with trio.CancelScope(shield=True):
+                await engine.shutdown()
 
 
 async def _watch_signals(scope: trio.CancelScope) -> None:

@@ -26,6 +26,8 @@ from tierfs.fs import control
 from tierfs.fs.control import ControlDir
 from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.stats import FsStats
+from tierfs.store.paths import classify
+from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.fs")
 
@@ -85,7 +87,7 @@ class _DirHandle:
 class TierOperations(pyfuse3.Operations):
     enable_writeback_cache = True
 
-    def __init__(self, hot_dir: str, config: Config, stats: FsStats | None = None):
+    def __init__(self, hot_dir: str, config: Config, stats: FsStats | None = None, engine: Engine | None = None):
         super().__init__()
         self.hot = os.path.abspath(hot_dir)
         self.config = config
@@ -99,6 +101,9 @@ class TierOperations(pyfuse3.Operations):
         self._control_fh: dict[int, bytes] = {}
         self._next_handle = 1
         self._is_root = os.geteuid() == 0
+        self.engine = engine
+        self._tiered: dict[int, Any] = engine.tiered if engine is not None else {}
+        self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
 
     # ---------------------------------------------------------------- helpers
 
@@ -146,7 +151,9 @@ class TierOperations(pyfuse3.Operations):
         e.st_rdev = st.st_rdev
         e.st_size = st.st_size
         e.st_atime_ns = st.st_atime_ns
-        e.st_mtime_ns = st.st_mtime_ns
+        t = self._tiered.get(inode)
+        # fetches and evictions touch the hot file; the broker's retention must see the last *data* write
+        e.st_mtime_ns = t.mtime_ns if t is not None else st.st_mtime_ns
         e.st_ctime_ns = st.st_ctime_ns
         e.st_blksize = st.st_blksize
         e.st_blocks = st.st_blocks
@@ -233,6 +240,9 @@ class TierOperations(pyfuse3.Operations):
             fd = self.inodes.any_fd(inode)
         target: Any = fd if fd is not None else self._full(self._rel(inode))
         if fields.update_size:
+            t = self._tiered.get(inode)
+            if t is not None and self.engine is not None:
+                await self.engine.before_write(t, inode, t.size, b"")
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -268,21 +278,30 @@ class TierOperations(pyfuse3.Operations):
         out = pyfuse3.StatvfsData()
         out.f_bsize = sv.f_bsize
         out.f_frsize = sv.f_frsize
-        out.f_blocks, out.f_bfree, out.f_bavail = self.capacity_blocks(sv)
+        out.f_blocks, out.f_bfree, out.f_bavail = self.capacity_blocks(sv, self.remote_only_bytes())
         out.f_files = sv.f_files
         out.f_ffree = sv.f_ffree
         out.f_favail = sv.f_favail
         out.f_namemax = sv.f_namemax
         return out
 
-    def capacity_blocks(self, sv: os.statvfs_result) -> tuple[int, int, int]:
-        """(blocks, free, available) the broker plans against (DESIGN §9): the configured capacity when set,
-        but never more free space than the hot dir really has, so real local pressure shows through."""
+    def remote_only_bytes(self) -> int:
+        """Bytes of tiered segments that are not on the local disk (the store's size beyond the hot dir)."""
+        if self.engine is None:
+            return 0
+        return max(sum(e.size for e in self._tiered.values()) - self.engine.cache_bytes, 0)
+
+    def capacity_blocks(self, sv: os.statvfs_result, remote_bytes: int = 0) -> tuple[int, int, int]:
+        """(blocks, free, available) the broker plans against (DESIGN §9). Used = local use plus tiered bytes
+        that live only remotely, so the broker's disk-ratio retention follows the store's logical size; with
+        statfs.capacity_bytes the total is the configured capacity, but never more free space than the hot dir
+        really has, so real local pressure from unsealed data shows through."""
         cap = int(self.config["statfs.capacity_bytes"])
+        remote = remote_bytes // sv.f_frsize
         if not cap:
-            return sv.f_blocks, sv.f_bfree, sv.f_bavail
+            return sv.f_blocks + remote, sv.f_bfree, sv.f_bavail
         blocks = max(cap // sv.f_frsize, 1)
-        used = sv.f_blocks - sv.f_bfree
+        used = sv.f_blocks - sv.f_bfree + remote
         free = max(min(blocks - used, sv.f_bfree), 0)
         avail = max(min(blocks - used, sv.f_bavail), 0)
         return blocks, free, avail
@@ -334,6 +353,8 @@ class TierOperations(pyfuse3.Operations):
         ino = self.inodes.ino_of(os.lstat(full))
         os.unlink(full)
         self.inodes.unlinked(ino, rel)
+        if self.engine is not None:
+            await self.engine.on_unlink(rel)
 
     @_handler("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -360,12 +381,18 @@ class TierOperations(pyfuse3.Operations):
             self.inodes.renamed(tmp, new, is_dir)
         else:
             self.inodes.renamed(old, new, is_dir)
+        if self.engine is not None and not is_dir:
+            if not flags & 2:
+                await self.engine.on_unlink(new)
+            await self.engine.on_rename(old, new)
 
     # ---------------------------------------------------------------- files
 
-    def _new_file_handle(self, inode: int, fd: int) -> pyfuse3.FileInfo:
+    def _new_file_handle(self, inode: int, fd: int, rel: str | None) -> pyfuse3.FileInfo:
         self._fh_inode[fd] = inode
         self.inodes.opened(inode, fd)
+        if rel is not None and classify(rel).is_segment:
+            self._seg_fh[fd] = rel
         return pyfuse3.FileInfo(fh=fd, keep_cache=True)
 
     @_handler("open")
@@ -385,7 +412,7 @@ class TierOperations(pyfuse3.Operations):
             fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
         else:
             fd = os.open(self._full(rel), self._backing_flags(flags))
-        return self._new_file_handle(inode, fd)
+        return self._new_file_handle(inode, fd, rel)
 
     @_handler("create")
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
@@ -405,13 +432,17 @@ class TierOperations(pyfuse3.Operations):
         except BaseException:
             os.close(fd)
             raise
-        return self._new_file_handle(entry.st_ino, fd), entry
+        return self._new_file_handle(entry.st_ino, fd, rel), entry
 
     @_handler("read")
     async def read(self, fh: int, off: int, size: int) -> bytes:
         if fh >= _CONTROL_FH_BASE:
             return self._control_fh[fh][off:off + size]
-        data = os.pread(fh, size, off)
+        t = self._tiered.get(self._fh_inode.get(fh, 0)) if self._tiered else None
+        if t is not None:
+            data = await self.engine.read(t, self._fh_inode[fh], fh, off, size)  # type: ignore[union-attr]
+        else:
+            data = os.pread(fh, size, off)
         self.stats.bytes_read += len(data)
         return data
 
@@ -419,6 +450,13 @@ class TierOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         if fh >= _CONTROL_FH_BASE:
             raise pyfuse3.FUSEError(errno.EROFS)
+        rel = self._seg_fh.get(fh)
+        if rel is not None and self.engine is not None:
+            ino = self._fh_inode[fh]
+            t = self._tiered.get(ino)
+            if t is not None and not await self.engine.before_write(t, ino, off, buf):
+                return len(buf)  # identical rewrite of tiered bytes: nothing changes
+            self.engine.note_write(ino)
         n = os.pwrite(fh, buf, off)
         self.stats.bytes_written += n
         return n
@@ -432,6 +470,9 @@ class TierOperations(pyfuse3.Operations):
         if fh >= _CONTROL_FH_BASE:
             return
         await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
+        rel = self._seg_fh.get(fh)
+        if rel is not None and self.engine is not None:
+            self.engine.note_fsync(self._fh_inode[fh], rel)
 
     @_handler("release")
     async def release(self, fh: int) -> None:
@@ -439,6 +480,9 @@ class TierOperations(pyfuse3.Operations):
             self._control_fh.pop(fh, None)
             return
         inode = self._fh_inode.pop(fh, None)
+        self._seg_fh.pop(fh, None)
+        if self.engine is not None:
+            self.engine.release_stream(fh)
         os.close(fh)
         if inode is not None:
             self.inodes.closed(inode, fh)

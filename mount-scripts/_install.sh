@@ -1,0 +1,46 @@
+# Sourced by quickstart and test: install what tierfs needs on a fresh Debian machine, idempotently.
+# System packages through apt (only when one is missing), Python packages into REPO/.venv (only when
+# setup.cfg changed since the last install).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO/.venv"
+PY="$VENV/bin/python"
+
+log() { printf '\033[1m[tierfs]\033[0m %s\n' "$*"; }
+
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  log "installing system packages: ${missing[*]}"
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+install_system() {
+  local pkgs=(fuse3 libfuse3-dev pkg-config gcc python3-venv "$@")
+  command -v java >/dev/null 2>&1 || pkgs+=(default-jre-headless)
+  # python3-venv is only needed when the interpreter lacks a working venv module
+  python3 -c 'import venv, ensurepip' 2>/dev/null && pkgs=("${pkgs[@]/python3-venv}")
+  local clean=(); for p in "${pkgs[@]}"; do [ -n "$p" ] && clean+=("$p"); done
+  apt_install "${clean[@]}"
+  [ -e /dev/fuse ] || { log "error: /dev/fuse is missing; FUSE cannot work here (modprobe fuse?)"; exit 1; }
+}
+
+install_python() {
+  local extras="${1:-}"
+  local stamp="$VENV/.tierfs-installed"
+  local want; want="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)$extras"
+  if [ ! -x "$PY" ]; then
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+  fi
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing tierfs and its Python dependencies into .venv"
+    "$PY" -m pip install -q --upgrade pip >/dev/null
+    "$PY" -m pip install -q -e "$REPO$extras"
+    echo "$want" > "$stamp"
+  fi
+  export PYSPARK_PYTHON="$PY" PYSPARK_DRIVER_PYTHON="$PY"
+}

@@ -1,0 +1,35 @@
+"""Per-stream sequential detection with an AIMD read-ahead window (DESIGN §7), in the spirit of TCP Tahoe:
+grow by a batch on each sequential hit, halve when prefetched blocks expire unread, reset on a random jump.
+Pure bookkeeping: the engine decides what to fetch with the window this returns.
+"""
+
+from __future__ import annotations
+
+
+class ReadAhead:
+    __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched")
+
+    def __init__(self, initial: int = 2, batch: int = 2, maximum: int = 64, tolerance: int = 1 << 20):
+        self.initial, self.batch, self.maximum = initial, batch, maximum
+        self.window = initial
+        self.next_expected: int | None = None
+        self.tolerance = tolerance  # kernel read-ahead and mmap faults arrive slightly out of order
+        self.prefetched: set[int] = set()
+
+    def on_read(self, off: int, end: int) -> int:
+        """Record a read of [off, end); return how many blocks to keep prefetched beyond `end` (0 = random)."""
+        sequential = self.next_expected is not None and abs(off - self.next_expected) <= self.tolerance
+        if sequential:
+            self.window = min(self.window + self.batch, self.maximum)
+        elif self.next_expected is not None:
+            self.window = self.initial
+        self.next_expected = max(end, self.next_expected or 0) if sequential else end
+        return self.window if sequential or off == 0 else 0
+
+    def consumed(self, block: int) -> None:
+        self.prefetched.discard(block)
+
+    def expired_unread(self, block: int) -> None:
+        if block in self.prefetched:
+            self.prefetched.discard(block)
+            self.window = max(self.initial, self.window // 2)
