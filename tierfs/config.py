@@ -153,7 +153,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("store.id", "str", "", "Store id in object keys (<store-id>/seg/...). Empty: generated once, kept in "
         "HOT_DIR/.tierfs/store-id."),
     # --- seal, upload, eviction ---------------------------------------------------------------------
-    Key("tiering.enabled", "bool", False, "Seal, upload and evict segments. Off: a plain local passthrough."),
+    Key("tiering.enabled", "bool", True, "Seal, upload and evict segments. Off: a plain local passthrough."),
     Key("seal.quiet_seconds", "float", 10.0,
         "A segment is sealed only after its content is complete, flushed, and unwritten for this long.", minimum=0),
     Key("seal.scan_interval_seconds", "float", 30.0, "Period of the full scan for sealable segments.",

@@ -129,6 +129,8 @@ class Engine:
 
     def _store_options(self) -> dict:
         c = self.config
+        if not self._store_url().startswith("s3://"):
+            return {"endpoint_url": c["objectstore.endpoint_url"] or None}
         return {k: v for k, v in {
             "endpoint_url": c["objectstore.endpoint_url"] or None,
             "region": c["objectstore.region"] or None,

@@ -1,0 +1,206 @@
+"""Tiering on real mounts with the posix object store: seal, upload, verify, evict, read back, crash, corrupt,
+rewrite, delete. The reference bytes come from a native copy of the same store written before mounting."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mountutil import evict, wait_for
+from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
+
+TIER_OPTS = ("tiering.enabled=true,cache.max_bytes=2MiB,cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB,"
+             "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,broker.max_hash_slot_num=500,"
+             "broker.max_index_num=2000,delete.grace_seconds=0")
+SEGMENT_TOPS = ("commitlog", "consumequeue", "index")
+
+
+@pytest.fixture(scope="module")
+def reference_store(tmp_path_factory) -> Path:
+    """A store written natively by the example producer: the bytes every read through the mount must equal."""
+    ref = tmp_path_factory.mktemp("ref")
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), *SMALL, "--messages", "6000", "--topics", "2",
+                        "--queues", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return ref
+
+
+def segments(root: Path) -> list[str]:
+    out = []
+    for top in SEGMENT_TOPS:
+        for p in sorted((root / top).rglob("*")):
+            if p.is_file():
+                out.append(str(p.relative_to(root)))
+    return out
+
+
+def copy_in(ref: Path, mnt: Path, stop_on_disconnect: bool = False) -> list[str]:
+    """Copy the store into the mount the way a writer that flushes does (write, fsync). Returns the files whose
+    fsync returned: the acknowledged ones. With stop_on_disconnect, a daemon that dies mid-copy ends the copy."""
+    done = []
+    try:
+        for p in sorted(ref.rglob("*")):
+            rel = p.relative_to(ref)
+            dst = mnt / rel
+            if p.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
+            with open(p, "rb") as src, open(dst, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            done.append(str(rel))
+    except OSError as e:
+        if not (stop_on_disconnect and e.errno in (errno.ENOTCONN, errno.ECONNABORTED)):
+            raise
+    return done
+
+
+def status(m) -> dict:
+    return json.loads((m.ctl / "status.json").read_text())
+
+
+def by_path(m) -> dict[str, dict]:
+    return {f["path"]: f for f in status(m)["files"]}
+
+
+def wait_tiered_and_evicted(m, paths: list[str], timeout: float = 60) -> None:
+    """All `paths` tiered, some of them evicted, and the cache back under its budget (2 MiB * 0.9)."""
+    def done() -> bool:
+        st = status(m)
+        files = {f["path"]: f for f in st["files"]}
+        tiered = all(files.get(p, {}).get("state") == "tiered" for p in paths)
+        evicted = any(files[p]["resident_bytes"] < files[p]["size"] for p in paths) if tiered else False
+        return tiered and evicted and st["totals"]["cache_bytes"] <= 0.9 * (2 << 20)
+    wait_for(done, timeout=timeout, what="segments tiered and evicted")
+
+
+def assert_same_bytes(m, ref: Path, paths: list[str]) -> None:
+    for rel in paths:
+        p = m.mnt / rel
+        evict(p)
+        assert p.stat().st_size == (ref / rel).stat().st_size, rel
+        got = subprocess.run(["cat", str(p)], capture_output=True, timeout=60).stdout
+        assert got == (ref / rel).read_bytes(), f"{rel} differs from the original"
+
+
+def test_tier_evict_and_read_back_everything(mount_store, reference_store):
+    m = mount_store(options=[TIER_OPTS])
+    copy_in(reference_store, m.mnt)
+    segs = segments(reference_store)
+    wait_for(lambda: len([f for f in status(m)["files"] if f["state"] == "tiered"]) >= len(segs) // 2,
+             timeout=60, what="tiering")
+    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]])
+    st = status(m)
+    assert st["totals"]["cache_bytes"] <= 2 << 20
+    # st_size and st_mtime never change because of tiering
+    for rel in segs:
+        a, b = (m.mnt / rel).stat(), (reference_store / rel).stat()
+        assert a.st_size == b.st_size
+    assert_same_bytes(m, reference_store, segs)
+    assert consume(m.mnt, "--expect-messages", "6000", "--check-keys", "-1")["ok"]
+    # mmap reads of evicted bytes
+    rel = next(f["path"] for f in status(m)["files"] if f["kind"] == "commitlog")
+    code = ("import mmap,sys,zlib; f=open(sys.argv[1],'rb'); m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ); "
+            "print(zlib.crc32(m[:]))")
+    out = subprocess.run([sys.executable, "-c", code, str(m.mnt / rel)], capture_output=True, text=True, timeout=60)
+    import zlib
+    assert int(out.stdout) == zlib.crc32((reference_store / rel).read_bytes())
+    # remount: the catalog is reloaded and evicted files still read back identically
+    m.umount()
+    m.mount()
+    assert_same_bytes(m, reference_store, segs[:6])
+    assert (m.ctl / "segments").read_text().count("tiered") >= len(segs) // 2
+
+
+def test_write_into_tiered_segment_makes_new_generation(mount_store, reference_store):
+    m = mount_store(options=[TIER_OPTS])
+    copy_in(reference_store, m.mnt)
+    rel = "commitlog/00000000000000000000"
+    wait_for(lambda: by_path(m).get(rel, {}).get("state") == "tiered", timeout=60, what="tiered")
+    wait_for(lambda: by_path(m)[rel]["resident_bytes"] < by_path(m)[rel]["size"], timeout=60, what="evicted")
+    old_objects = by_path(m)[rel]["objects"]
+    ref = bytearray((reference_store / rel).read_bytes())
+    # an identical rewrite (like the index header at shutdown) is a no-op
+    with open(m.mnt / rel, "r+b") as f:
+        f.seek(100_000)
+        f.write(ref[100_000:100_100])
+        f.flush()
+        os.fsync(f.fileno())
+    assert by_path(m)[rel]["generation"] == 0 and by_path(m)[rel]["state"] == "tiered"
+    # a real change: the file becomes hot again as generation 1, then is sealed and tiered again
+    with open(m.mnt / rel, "r+b") as f:
+        f.seek(200_000)
+        f.write(b"X" * 10)
+        f.flush()
+        os.fsync(f.fileno())
+    ref[200_000:200_010] = b"X" * 10
+    assert by_path(m)[rel]["generation"] == 1
+    wait_for(lambda: by_path(m)[rel]["state"] == "tiered", timeout=60, what="re-tiered")
+    evict(m.mnt / rel)
+    assert (m.mnt / rel).read_bytes() == bytes(ref)
+    objects_root = m.state_dir / "objects"
+    wait_for(lambda: not any((objects_root / k).exists() for k in old_objects), timeout=30,
+             what="stale generation objects deleted")
+
+
+def test_corrupt_object_gives_eio_and_names_it(mount_store, reference_store):
+    m = mount_store(options=[TIER_OPTS])
+    copy_in(reference_store, m.mnt)
+    rel = "commitlog/00000000000001048576"
+    wait_for(lambda: by_path(m).get(rel, {}).get("state") == "tiered", timeout=60, what="tiered")
+    wait_for(lambda: by_path(m)[rel]["resident_bytes"] < 300_000, timeout=60, what="evicted")
+    key = by_path(m)[rel]["objects"][1]
+    obj = m.state_dir / "objects" / key
+    data = bytearray(obj.read_bytes())
+    data[5000] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    evict(m.mnt / rel)
+    with open(m.mnt / rel, "rb") as f:
+        f.seek(256 * 1024 + 4096)
+        with pytest.raises(OSError) as ei:
+            f.read(4096)
+    assert ei.value.errno == errno.EIO
+    assert key in m.log_text()
+    # other bytes of the same file still read fine, and the daemon lives
+    with open(m.mnt / rel, "rb") as f:
+        assert f.read(4096) == (reference_store / rel).read_bytes()[:4096]
+    assert m.alive()
+
+
+def test_delete_tiered_segments_removes_objects(mount_store, reference_store):
+    m = mount_store(options=[TIER_OPTS])
+    copy_in(reference_store, m.mnt)
+    rel = "commitlog/00000000000000000000"
+    wait_for(lambda: by_path(m).get(rel, {}).get("state") == "tiered", timeout=60, what="tiered")
+    keys = by_path(m)[rel]["objects"]
+    os.unlink(m.mnt / rel)
+    assert rel not in by_path(m)
+    wait_for(lambda: not any((m.state_dir / "objects" / k).exists() for k in keys), timeout=30,
+             what="objects deleted")
+
+
+@pytest.mark.parametrize("point", ["tier.after_put", "tier.after_commit", "tier.evict"])
+def test_kill9_during_tiering_loses_nothing(mount_store, reference_store, point):
+    m = mount_store(options=[TIER_OPTS], env={"TIERFS_FAILPOINTS": f"{point}=kill"})
+    acked = copy_in(reference_store, m.mnt, stop_on_disconnect=True)
+    wait_for(lambda: not m.alive(), timeout=60, what=f"daemon killed at {point}")
+    m.kill()  # clears the dead mount
+    from mountutil import daemon_env
+    m.env = daemon_env()
+    m.mount()
+    acked_segs = [p for p in acked if p.split("/")[0] in SEGMENT_TOPS]
+    assert acked_segs, "the daemon died before any file was acknowledged"
+    assert_same_bytes(m, reference_store, acked_segs)  # every acknowledged byte survived the crash
+    copy_in(reference_store, m.mnt)  # finish the store, then let tiering resume
+    segs = segments(reference_store)
+    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]])
+    assert_same_bytes(m, reference_store, segs)
