@@ -204,3 +204,59 @@ def test_kill9_during_tiering_loses_nothing(mount_store, reference_store, point)
     segs = segments(reference_store)
     wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]])
     assert_same_bytes(m, reference_store, segs)
+
+
+# ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)
+
+def s3_opts(rgw, bucket: str, extra: str = "") -> str:
+    rgw.make_bucket(bucket)
+    return (f"{TIER_OPTS},objectstore.url=s3://{bucket}/stores,objectstore.endpoint_url={rgw.endpoint_url},"
+            f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+            f"objectstore.addressing=path,objectstore.max_attempts=2{extra}")
+
+
+def test_s3_tier_evict_read_back_and_remount(mount_store, reference_store, rgw):
+    m = mount_store(options=[s3_opts(rgw, "tier-basic")])
+    copy_in(reference_store, m.mnt)
+    segs = segments(reference_store)
+    wait_for(lambda: len([f for f in status(m)["files"] if f["state"] == "tiered"]) >= len(segs) // 2,
+             timeout=90, what="tiering to S3")
+    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]], timeout=90)
+    assert_same_bytes(m, reference_store, segs)
+    assert consume(m.mnt, "--expect-messages", "6000", "--check-keys", "-1")["ok"]
+    assert rgw.secret_key not in (m.ctl / "config").read_text()
+    m.umount()
+    m.mount()
+    assert_same_bytes(m, reference_store, segs)
+
+
+def test_s3_store_down_then_back(mount_store, reference_store, rgw):
+    m = mount_store(options=[s3_opts(rgw, "tier-down", ",objectstore.read_timeout_seconds=3")])
+    copy_in(reference_store, m.mnt)
+    paths = lambda: [f["path"] for f in status(m)["files"]]  # noqa: E731
+    wait_for(lambda: len(paths()) >= 10, timeout=90, what="some segments sealed")
+    wait_tiered_and_evicted(m, paths(), timeout=90)
+    victim = next(f["path"] for f in status(m)["files"]
+                  if f["state"] == "tiered" and f["resident_bytes"] < f["size"] and f["kind"] == "commitlog")
+    rgw.stop_rgw()
+    try:
+        # hot writes are unaffected while the store is down
+        t0 = time.monotonic()
+        with open(m.mnt / "hot-while-down", "wb") as f:
+            f.write(os.urandom(4 << 20))
+            os.fsync(f.fileno())
+        assert time.monotonic() - t0 < 5
+        # a read of evicted bytes fails with EIO within the configured bound, never with wrong bytes
+        evict(m.mnt / victim)
+        t0 = time.monotonic()
+        with open(m.mnt / victim, "rb") as f:
+            f.seek(300_000)
+            with pytest.raises(OSError) as ei:
+                f.read(65536)
+        assert ei.value.errno == errno.EIO
+        assert time.monotonic() - t0 < 3 + 10
+        assert m.alive()
+    finally:
+        rgw.start_rgw()
+    evict(m.mnt / victim)
+    assert (m.mnt / victim).read_bytes() == (reference_store / victim).read_bytes()

@@ -198,7 +198,10 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
 
     engine = None
     if config["tiering.enabled"]:
-        engine = Engine(paths.hot, paths.state, config)
+        try:
+            engine = Engine(paths.hot, paths.state, config)
+        except ValueError as e:  # ConfigError and bad object store settings: refuse, naming the key
+            raise MountError(str(e)) from None
         engine.reconcile()
     ops = TierOperations(str(paths.hot), config, stats, engine)
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)

@@ -58,18 +58,39 @@ _META_VALUE = re.compile(r"^[\x20-\x7e]*$")
 
 
 class ObjectStoreError(Exception):
-    """Any object-store failure. `key` is the store-relative key the operation was about."""
+    """Any object-store failure. `key` is the store-relative key the operation was about.
 
-    def __init__(self, key: str, message: str):
+    Raise it as ObjectStoreError(key, message); the message gets the key appended when it does not already name
+    it. The one-argument form ObjectStoreError(message) is accepted too (key None): its message must name the key.
+    Instances pickle (Spark ships them between processes); `cause` travels as text.
+    """
+
+    def __init__(self, key: str | None, message: str | None = None):
+        if message is None:
+            key, message = None, str(key)
         self.key = key
-        super().__init__(message if key and key in message else f"{message} (object key {key!r})")
+        super().__init__(message if not key or key in message else f"{message} (object key {key!r})")
+
+    def __reduce__(self):
+        state = dict(self.__dict__)
+        if isinstance(state.get("cause"), BaseException):
+            cause = state["cause"]
+            state["cause"] = f"{type(cause).__name__}: {cause}"
+        return (_restore_error, (type(self), self.args, state))
+
+
+def _restore_error(cls: type, args: tuple, state: dict) -> "ObjectStoreError":
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class ObjectNotFound(ObjectStoreError):
     """The key does not exist."""
 
     def __init__(self, key: str, where: str | None = None):
-        super().__init__(key, f"object not found: {where or key!r}")
+        super().__init__(key, f"object not found: {where if where else repr(key)}")
 
 
 class ObjectRangeError(ObjectStoreError):
@@ -78,7 +99,8 @@ class ObjectRangeError(ObjectStoreError):
     def __init__(self, key: str, start: int, length: int, size: int | None, where: str | None = None):
         self.start, self.length, self.size = start, length, size
         have = f"object size is {size}" if size is not None else "object is shorter"
-        super().__init__(key, f"range [{start}, {start + length}) is past the end of {where or repr(key)}: {have}")
+        super().__init__(key, f"range [{start}, {start + length}) is past the end of {where if where else repr(key)}: "
+                              f"{have}")
 
 
 class ObjectStoreUnavailable(ObjectStoreError):
@@ -91,7 +113,7 @@ class ObjectStoreUnavailable(ObjectStoreError):
         self.cause = cause
         what = f"{op} of " if op else ""
         cause_text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
-        super().__init__(key, f"object store unavailable for {what}{where or repr(key)}: {cause_text}")
+        super().__init__(key, f"object store unavailable for {what}{where if where else repr(key)}: {cause_text}")
 
 
 # ------------------------------------------------------------------------------------------------------ value types

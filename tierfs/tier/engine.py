@@ -139,6 +139,7 @@ class Engine:
             "secret_key": c["objectstore.secret_access_key"] or None,
             "max_attempts": c["objectstore.max_attempts"],
             "max_pool_connections": max(c["objectstore.max_concurrency"], 10),
+            "read_timeout": max(min(c["objectstore.read_timeout_seconds"], 30.0), 1.0),
         }.items()}
 
     def _persistent_store_id(self) -> str:
@@ -412,11 +413,11 @@ class Engine:
                 if verify_full:
                     back = self.store.get(key)
                     if len(back) != len(data) or crc32c.crc32c(back) != chunk_crc:
-                        raise ObjectStoreError(f"verification of {key} failed: object differs from what was put")
+                        raise ObjectStoreError(key, "verification failed: the object differs from what was put")
                 else:
                     info = self.store.head(key)
                     if info is None or info.size != len(data):
-                        raise ObjectStoreError(f"verification of {key} failed: size mismatch")
+                        raise ObjectStoreError(key, "verification failed: size mismatch")
         finally:
             os.close(fd)
         return crc, block_crcs, keys

@@ -1,0 +1,72 @@
+"""Shared fixtures: real tierfs mounts made through the CLI, always cleaned up.
+
+    mount_store(hot=None, options=(), config_text=None, env=None, *, mnt=None, mount=True) -> Mount
+        Factory. Creates (if needed) a hot dir and an empty mountpoint under tmp_path, writes config_text to a
+        TOML file passed with --config, passes `options` as `-o` arguments and `env` (merged over the runner's
+        environment, minus TIERFS_FAILPOINTS) to the CLI and so to the daemon. Every Mount it made is unmounted
+        at teardown (CLI umount, else SIGKILL by pid + fusermount3 -uz), even when the test failed.
+    mounted -> Mount
+        One default mount on tmp_path/hot at tmp_path/mnt.
+
+The whole FUSE part of the suite is skipped with the reason when /dev/fuse (or fusermount3) is missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import pytest
+
+from mountutil import FUSE_SKIP_REASON, Mount
+
+
+@pytest.fixture
+def fuse_required() -> None:
+    if FUSE_SKIP_REASON is not None:
+        pytest.skip(FUSE_SKIP_REASON)
+
+
+@pytest.fixture
+def mount_store(tmp_path: Path, fuse_required: None):
+    made: list[Mount] = []
+    seq = itertools.count()
+
+    def factory(hot: str | os.PathLike | None = None, options: Iterable[str] = (), config_text: str | None = None,
+                env: Mapping[str, str] | None = None, *, mnt: str | os.PathLike | None = None,
+                mount: bool = True) -> Mount:
+        n = next(seq)
+        suffix = "" if n == 0 else str(n)
+        hot_dir = Path(hot) if hot is not None else tmp_path / f"hot{suffix}"
+        hot_dir.mkdir(parents=True, exist_ok=True)
+        mnt_dir = Path(mnt) if mnt is not None else tmp_path / f"mnt{suffix}"
+        mnt_dir.mkdir(parents=True, exist_ok=True)
+        config = None
+        if config_text is not None:
+            config = tmp_path / f"tierfs{suffix}.toml"
+            config.write_text(config_text)
+        m = Mount(hot_dir, mnt_dir, options=options, config=config, env=env)
+        made.append(m)
+        if mount:
+            m.mount()
+        return m
+
+    yield factory
+
+    problems = []
+    for m in reversed(made):
+        try:
+            m.cleanup()
+        except Exception as e:  # keep cleaning the others, then report
+            problems.append(f"{m}: {e}")
+    if problems:
+        pytest.fail("mount cleanup failed: " + "; ".join(problems))
+
+
+@pytest.fixture
+def mounted(mount_store) -> Mount:
+    return mount_store()
+
+pytest_plugins = ("ceph_rgw",)

@@ -1,0 +1,526 @@
+"""Contract tests of the ObjectStore interface, run unchanged on the posix store and on S3 through a real radosgw.
+
+The S3 variant talks HTTP to the Ceph RGW started by the session fixture `rgw` (tests/ceph_rgw.py): boto3 is never
+patched. Each test gets its own key prefix, so tests do not see each other's objects.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ceph_rgw import rgw  # noqa: F401  (session fixture; sharing one cluster if conftest registers it too)
+from tierfs.objectstore import (ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
+                                ObjectStoreUnavailable, crc32c_file, crc32c_of, format_crc32c, open_store)
+from tierfs.objectstore.posix import PosixObjectStore
+
+MiB = 1 << 20
+BUCKET = "tierfs-objectstore-test"
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(rgw):  # noqa: F811
+    return rgw.make_bucket(BUCKET)
+
+
+def make_s3(rgw, prefix: str, **options) -> ObjectStore:  # noqa: F811
+    opts = dict(endpoint_url=rgw.endpoint_url, access_key=rgw.access_key, secret_key=rgw.secret_key,
+                multipart_threshold=8 * MiB, multipart_part_size=5 * MiB, max_attempts=3, connect_timeout=2,
+                read_timeout=20)
+    opts.update(options)
+    return open_store(f"s3://{BUCKET}/{prefix}", **opts)
+
+
+@pytest.fixture(params=["posix", "s3"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def store(backend, request, tmp_path):
+    if backend == "posix":
+        s: ObjectStore = open_store(f"file://{tmp_path}/store")
+    else:
+        r = request.getfixturevalue("rgw")
+        request.getfixturevalue("s3_bucket")
+        s = make_s3(r, f"t/{uuid.uuid4().hex[:12]}")
+    yield s
+    s.close()
+
+
+def keys_of(infos) -> list[str]:
+    return [i.key for i in infos]
+
+
+# ------------------------------------------------------------------------------------------------ basic round trips
+
+
+def test_put_get_head_metadata(store):
+    data = os.urandom(100_000)
+    info = store.put("seg/commitlog/00000000000000000000/0.raw", data, {"kind": "commitlog", "gen": "0"})
+    assert info.size == len(data)
+    assert info.crc32c == crc32c_of(data)
+    assert store.get("seg/commitlog/00000000000000000000/0.raw") == data
+    head = store.head("seg/commitlog/00000000000000000000/0.raw")
+    assert isinstance(head, ObjectInfo)
+    assert head.size == len(data)
+    assert head.etag and head.etag == info.etag
+    assert dict(head.metadata) == {"kind": "commitlog", "gen": "0", "crc32c": format_crc32c(crc32c_of(data))}
+    assert head.crc32c == crc32c_of(data)
+    assert abs(head.mtime - time.time()) < 120
+    assert store.exists("seg/commitlog/00000000000000000000/0.raw")
+
+
+def test_put_accepts_bytearray_and_memoryview_and_empty(store):
+    store.put("a/ba", bytearray(b"xyz"))
+    store.put("a/mv", memoryview(b"0123456789")[2:6])
+    store.put("a/empty", b"")
+    assert store.get("a/ba") == b"xyz"
+    assert store.get("a/mv") == b"2345"
+    assert store.get("a/empty") == b""
+    assert store.head("a/empty").size == 0
+    assert store.head("a/empty").crc32c == 0
+
+
+def test_large_put_and_empty_object_ranges(store):
+    data = os.urandom(9 * MiB)  # above the S3 store's 8 MiB multipart threshold: goes through the transfer manager
+    info = store.put("big", data)
+    assert info.size == len(data) and info.crc32c == crc32c_of(data)
+    assert store.get_range("big", 8 * MiB, 1000) == data[8 * MiB:8 * MiB + 1000]
+    store.put("empty", b"")
+    assert store.get_range("empty", 0, 0) == b""
+    with pytest.raises(ObjectRangeError, match="empty"):
+        store.get_range("empty", 0, 1)
+
+
+def test_overwrite_replaces_content_and_metadata(store):
+    store.put("k", b"one", {"v": "1"})
+    store.put("k", b"second", {"w": "2"})
+    assert store.get("k") == b"second"
+    assert dict(store.head("k").metadata) == {"w": "2", "crc32c": format_crc32c(crc32c_of(b"second"))}
+
+
+def test_metadata_rules(store):
+    with pytest.raises(ValueError, match="'k1'.*Bad"):
+        store.put("k1", b"x", {"Bad": "1"})
+    with pytest.raises(ValueError, match="'k1'.*crc32c"):
+        store.put("k1", b"x", {"crc32c": "00000000"})
+    assert store.put("k1", b"x", {"crc32c": format_crc32c(crc32c_of(b"x"))}).crc32c == crc32c_of(b"x")
+
+
+def test_get_range(store):
+    data = bytes(range(256)) * 40  # 10240 bytes
+    store.put("r", data)
+    assert store.get_range("r", 0, len(data)) == data
+    assert store.get_range("r", 1000, 333) == data[1000:1333]
+    assert store.get_range("r", len(data) - 1, 1) == data[-1:]
+    assert store.get_range("r", 5, 0) == b""
+    with pytest.raises(ValueError):
+        store.get_range("r", -1, 5)
+
+
+def test_get_range_past_end_raises_naming_key(store):
+    store.put("short", b"0123456789")
+    for start, length in ((5, 6), (10, 1), (100, 10)):
+        with pytest.raises(ObjectRangeError) as ei:
+            store.get_range("short", start, length)
+        assert "short" in str(ei.value)
+        assert ei.value.key == "short"
+    with pytest.raises(ObjectRangeError) as ei:
+        store.get_range("short", 8, 4)
+    assert ei.value.size in (10, None)
+
+
+def test_missing_key(store):
+    key = "seg/missing/00000000001073741824/3.raw"
+    assert store.head(key) is None
+    assert not store.exists(key)
+    for call in (lambda: store.get(key), lambda: store.get_range(key, 0, 10)):
+        with pytest.raises(ObjectNotFound) as ei:
+            call()
+        assert key in str(ei.value)
+        assert ei.value.key == key
+        assert isinstance(ei.value, ObjectStoreError)
+
+
+def test_delete_idempotent(store):
+    store.put("d/x", b"1")
+    store.delete("d/x")
+    assert store.head("d/x") is None
+    store.delete("d/x")
+    store.delete("never/was")
+    store.delete_many(["never/a", "never/b"])
+
+
+# ------------------------------------------------------------------------------------------------ listing
+
+
+def test_list_order_and_prefixes(store):
+    names = ["a.c", "a/b", "a-b", "a0", "a/b.c/d", "b", "a/c", "ab"]
+    for n in names:
+        store.put(n, n.encode())
+    assert keys_of(store.list()) == sorted(names, key=lambda k: k.encode())
+    assert keys_of(store.list("a/")) == ["a/b", "a/b.c/d", "a/c"]
+    assert keys_of(store.list("a/b")) == ["a/b", "a/b.c/d"]
+    assert keys_of(store.list("a")) == sorted([n for n in names if n.startswith("a")], key=str.encode)
+    assert keys_of(store.list("zzz")) == []
+    info = {i.key: i for i in store.list()}
+    assert info["a/b.c/d"].size == len("a/b.c/d")
+    assert info["a/b.c/d"].etag == store.head("a/b.c/d").etag
+    assert info["a/b.c/d"].metadata is None
+
+
+def test_list_paginates_over_1100_keys_and_delete_many(store):
+    keys = [f"many/{i:05d}" for i in range(1100)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, k.encode()), keys))
+    store.put("other/x", b"x")
+    listed = list(store.list("many/"))
+    assert keys_of(listed) == keys
+    assert all(i.size == len(i.key) for i in listed)
+    store.delete_many(keys[:1050])
+    assert keys_of(store.list("many/")) == keys[1050:]
+    store.delete_many(keys)  # idempotent
+    assert keys_of(store.list()) == ["other/x"]
+
+
+# ------------------------------------------------------------------------------------------------ put_file
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("src") / "segment"
+    with open(p, "wb") as f:
+        f.write(os.urandom(20 * MiB + 12345))
+    return p
+
+
+def test_put_file_multipart_20mib(store, big_file, backend):
+    size = big_file.stat().st_size
+    crc = crc32c_file(big_file)
+    info = store.put_file("seg/commitlog/big/0.raw", big_file, metadata={"kind": "commitlog"})
+    assert info.size == size
+    assert info.crc32c == crc
+    head = store.head("seg/commitlog/big/0.raw")
+    assert head.size == size and head.crc32c == crc and head.metadata["kind"] == "commitlog"
+    if backend == "s3":
+        assert head.etag.endswith("-5"), head.etag  # 20 MiB + 12345 in 5 MiB parts: a 5-part multipart object
+    data = store.get("seg/commitlog/big/0.raw")
+    assert len(data) == size and crc32c_of(data) == crc
+    # ranged reads across a part boundary and at the very end
+    raw = big_file.read_bytes()
+    assert store.get_range("seg/commitlog/big/0.raw", 5 * MiB - 100, 200) == raw[5 * MiB - 100:5 * MiB + 100]
+    assert store.get_range("seg/commitlog/big/0.raw", size - 10, 10) == raw[-10:]
+
+
+def test_put_file_slice_with_known_crc(store, big_file):
+    raw = big_file.read_bytes()
+    off, n = 3 * MiB + 7, 9 * MiB + 3  # above the multipart threshold on S3
+    crc = crc32c_of(raw[off:off + n])
+    info = store.put_file("slice", big_file, off, n, crc32c=crc)
+    assert info.size == n and info.crc32c == crc
+    assert store.get("slice") == raw[off:off + n]
+    small = store.put_file("small", big_file, 10, 1000)
+    assert small.crc32c == crc32c_of(raw[10:1010])
+    assert store.get("small") == raw[10:1010]
+
+
+def test_put_file_source_out_of_range(store, big_file):
+    size = big_file.stat().st_size
+    with pytest.raises(ValueError, match="'x'"):
+        store.put_file("x", big_file, size - 5, 10)
+    with pytest.raises(ValueError, match="'x'"):
+        store.put_file("x", big_file, size + 1)
+    assert store.head("x") is None
+
+
+def test_posix_key_cannot_be_object_and_prefix(tmp_path):
+    s = PosixObjectStore(str(tmp_path / "st"))
+    s.put("a", b"1")
+    with pytest.raises(ObjectStoreError, match="a/b"):
+        s.put("a/b", b"2")
+    s.put("c/d", b"3")
+    with pytest.raises(ObjectStoreError, match="'c'|/c"):
+        s.put("c", b"4")
+    with pytest.raises(ObjectStoreError, match="'c'|/c"):
+        s.put_if_absent("c", b"4")
+    assert s.head("c") is None and s.get("a") == b"1"
+    with pytest.raises(ValueError, match=".tierfs-"):
+        s.put("x/.tierfs-tmp.0123456789abcdef.y", b"")
+
+
+def test_posix_put_file_rejects_wrong_crc(tmp_path, big_file):
+    s = PosixObjectStore(str(tmp_path / "st"))
+    with pytest.raises(ObjectStoreError, match="'bad'|/bad"):
+        s.put_file("bad", big_file, 0, 4096, crc32c=1234)
+    assert s.head("bad") is None
+    assert list(s.list_multipart_uploads()) == []  # no temp file left behind
+
+
+# ------------------------------------------------------------------------------------------------ put_if_absent
+
+
+def test_put_if_absent(store):
+    assert store.put_if_absent("once", b"first", {"who": "a"}) is True
+    assert store.put_if_absent("once", b"second", {"who": "b"}) is False
+    assert store.get("once") == b"first"
+    assert dict(store.head("once").metadata) == {"who": "a", "crc32c": format_crc32c(crc32c_of(b"first"))}
+    assert store.atomic_put_if_absent
+
+
+def test_put_if_absent_race_exactly_one_wins(store):
+    for round_ in range(15):
+        key = f"race/{round_}"
+        barrier = threading.Barrier(2)
+        results: dict[int, bool] = {}
+
+        def contender(i: int) -> None:
+            barrier.wait()
+            results[i] = store.put_if_absent(key, f"writer-{i}".encode() * 1000)
+
+        threads = [threading.Thread(target=contender, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results.values()) == [False, True], results
+        winner = next(i for i, won in results.items() if won)
+        assert store.get(key) == f"writer-{winner}".encode() * 1000
+
+
+# ------------------------------------------------------------------------------------------------ keys
+
+
+BAD_KEYS = ["", "/abs", "a/../b", "..", "a/..", "a//b", "a/", "./a", "a/./b", "tab\tkey", "nl\nkey", "nul\x00",
+            "del\x7f", "x" * 1025]
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
+def test_key_validation(store, bad):
+    calls = [lambda: store.put(bad, b"x"), lambda: store.get(bad), lambda: store.head(bad),
+             lambda: store.get_range(bad, 0, 1), lambda: store.delete(bad), lambda: store.put_if_absent(bad, b"x")]
+    for call in calls:
+        with pytest.raises(ValueError) as ei:
+            call()
+        assert repr(bad[:60])[:-1] in str(ei.value)
+
+
+def test_prefix_validation(store):
+    for bad in ("/x", "a/../", "a//", "x\n"):
+        with pytest.raises(ValueError, match="prefix"):
+            store.list(bad)
+    store.put("a/.hidden", b"1")
+    assert keys_of(store.list("a/.")) == ["a/.hidden"]
+
+
+def test_unicode_keys(store):
+    key = "topic=订单/队列-1/ü.raw"
+    store.put(key, b"u")
+    assert store.get(key) == b"u"
+    assert keys_of(store.list("topic=")) == [key]
+
+
+# ------------------------------------------------------------------------------------------------ multipart cleanup
+
+
+def test_list_and_abort_stale_multipart_uploads(store, backend, tmp_path):
+    key = "seg/commitlog/stale/0.raw"
+    if backend == "s3":  # a crashed uploader: the upload was started and never completed
+        full = f"{store.prefix}/{key}"
+        store._client.create_multipart_upload(Bucket=store.bucket, Key=full)
+    else:
+        d = Path(store.root) / "seg/commitlog/stale"
+        d.mkdir(parents=True)
+        (d / f".tierfs-tmp.{'0' * 16}.0.raw").write_bytes(b"partial")
+    store.put("seg/commitlog/done/0.raw", b"complete")
+    ups = list(store.list_multipart_uploads("seg/"))
+    assert [u.key for u in ups] == [key]
+    assert ups[0].upload_id and abs(ups[0].initiated - time.time()) < 120
+    assert keys_of(store.list()) == ["seg/commitlog/done/0.raw"]  # never listed as an object
+    store.abort_multipart(key, ups[0].upload_id)
+    store.abort_multipart(key, ups[0].upload_id)  # idempotent
+    assert list(store.list_multipart_uploads()) == []
+
+
+# ------------------------------------------------------------------------------------------------ pickling, repr
+
+
+def test_pickle_round_trip(store):
+    store.put("p", b"pickled")
+    clone = pickle.loads(pickle.dumps(store))
+    try:
+        assert clone.get("p") == b"pickled"
+        assert clone.url == store.url
+    finally:
+        clone.close()
+
+
+def test_errors_pickle_and_name_keys():
+    errs = [ObjectNotFound("a/b", "s3://bkt/p/a/b"), ObjectRangeError("a/b", 5, 10, 12),
+            ObjectStoreUnavailable("a/b", ConnectionRefusedError(111, "refused"), "s3://bkt/p/a/b", "get"),
+            ObjectStoreError("a/b", "boom"), ObjectStoreError("one-arg message about key x")]
+    for e in errs:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.key == e.key
+    assert "a/b" in str(errs[3]) and errs[4].key is None
+    assert "refused" in str(pickle.loads(pickle.dumps(errs[2])).cause)
+
+
+# ------------------------------------------------------------------------------------------------ S3 specifics
+
+
+def test_s3_credentials_never_shown(rgw, s3_bucket):  # noqa: F811
+    s = make_s3(rgw, "creds")
+    try:
+        for text in (repr(s), str(s), repr(vars(s))):
+            assert rgw.secret_key not in text and rgw.access_key not in text
+    finally:
+        s.close()
+    bad = make_s3(rgw, "creds", secret_key="WRONG-SECRET-123", max_attempts=1)
+    try:
+        with pytest.raises(ObjectStoreError) as ei:
+            bad.put("k", b"x")
+        assert not isinstance(ei.value, ObjectStoreUnavailable)
+        assert "creds/k" in str(ei.value) and "WRONG-SECRET-123" not in str(ei.value)
+    finally:
+        bad.close()
+
+
+def test_s3_missing_bucket_names_bucket_and_key(rgw, s3_bucket):  # noqa: F811
+    s = open_store("s3://no-such-bucket-tierfs/p", endpoint_url=rgw.endpoint_url, access_key=rgw.access_key,
+                   secret_key=rgw.secret_key, max_attempts=1)
+    try:
+        with pytest.raises(ObjectStoreError) as ei:
+            s.get("k")
+        assert "no-such-bucket-tierfs" in str(ei.value) and "p/k" in str(ei.value)
+        assert not isinstance(ei.value, (ObjectNotFound, ObjectStoreUnavailable))
+    finally:
+        s.close()
+
+
+def test_s3_emulated_conditional_put_warns_once(rgw, s3_bucket, caplog):  # noqa: F811
+    s = make_s3(rgw, f"emu/{uuid.uuid4().hex[:8]}", conditional_put="emulate")
+    try:
+        assert s.atomic_put_if_absent is False
+        assert s.put_if_absent("k", b"1") is True
+        assert s.put_if_absent("k", b"2") is False
+        assert s.get("k") == b"1"
+    finally:
+        s.close()
+    native = make_s3(rgw, f"nat/{uuid.uuid4().hex[:8]}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierfs.objectstore"):
+            assert native.put_if_absent("k", b"1") is True
+        assert native._cond_mode == "native"  # RGW honours If-None-Match: the probe keeps the atomic path
+        assert not [r for r in caplog.records if "conditional" in r.getMessage()]
+        assert keys_of(native.list()) == ["k"]  # the probe object is gone
+    finally:
+        native.close()
+
+
+def test_posix_unavailable_when_root_vanishes(tmp_path):
+    root = tmp_path / "nfs"
+    root.mkdir()
+    s = PosixObjectStore(str(root), create=False)
+    s.put("seg/x", b"1")
+    os.rename(root, tmp_path / "away")
+    try:
+        for call in (lambda: s.get("seg/x"), lambda: s.head("seg/x"), lambda: s.put("seg/y", b"2"),
+                     lambda: list(s.list())):
+            with pytest.raises(ObjectStoreUnavailable) as ei:
+                call()
+            assert "seg/" in str(ei.value) or "nfs" in str(ei.value)
+    finally:
+        os.rename(tmp_path / "away", root)
+    assert s.get("seg/x") == b"1"
+
+
+def test_s3_unavailable_while_rgw_down_then_recovers(rgw, s3_bucket, tmp_path):  # noqa: F811
+    src = tmp_path / "src"
+    src.write_bytes(b"file content")
+    s = make_s3(rgw, f"down/{uuid.uuid4().hex[:8]}", max_attempts=2, connect_timeout=1, read_timeout=2)
+    try:
+        s.put("seg/a", b"before")
+        rgw.stop_rgw()
+        try:
+            t0 = time.monotonic()
+            calls = {"get": lambda: s.get("seg/a"), "get_range": lambda: s.get_range("seg/a", 0, 3),
+                     "head": lambda: s.head("seg/a"), "put": lambda: s.put("seg/b", b"x"),
+                     "put_if_absent": lambda: s.put_if_absent("seg/c", b"x"), "delete": lambda: s.delete("seg/a"),
+                     "list": lambda: list(s.list("seg/")), "put_file": lambda: s.put_file("seg/f", src),
+                     "delete_many": lambda: s.delete_many(["seg/a", "seg/b"]),
+                     "list_multipart_uploads": lambda: list(s.list_multipart_uploads("seg/"))}
+            for name, call in calls.items():
+                with pytest.raises(ObjectStoreUnavailable) as ei:
+                    call()
+                assert "seg/" in str(ei.value), name
+                assert ei.value.cause is not None
+            elapsed = time.monotonic() - t0
+            assert elapsed < 30, f"failing over took {elapsed:.1f}s"
+        finally:
+            rgw.start_rgw()
+        assert s.get("seg/a") == b"before"
+        s.put("seg/b", b"after")
+        assert keys_of(s.list("seg/")) == ["seg/a", "seg/b"]
+    finally:
+        s.close()
+
+
+def test_s3_hung_server_times_out_as_unavailable(rgw, s3_bucket):  # noqa: F811
+    s = make_s3(rgw, f"hung/{uuid.uuid4().hex[:8]}", max_attempts=2, connect_timeout=1, read_timeout=1)
+    try:
+        s.put("seg/a", b"0123456789")
+        rgw.freeze_rgw()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ObjectStoreUnavailable, match="seg/a") as ei:
+                s.get_range("seg/a", 2, 3)
+            elapsed = time.monotonic() - t0
+            assert "timeout" in str(ei.value).lower() or "timed out" in str(ei.value).lower(), str(ei.value)
+            assert 1.5 <= elapsed < 15, elapsed  # two attempts of a 1 s read timeout, plus backoff
+        finally:
+            rgw.thaw_rgw()
+        assert s.get_range("seg/a", 2, 3) == b"234"
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------------ open_store, crc
+
+
+def test_open_store_urls(tmp_path):
+    s = open_store(f"file://{tmp_path}/x")
+    assert isinstance(s, PosixObjectStore) and s.url == f"file://{tmp_path}/x"
+    for bad in ("file://relative/path", "file:relative", "relative/path", "ftp://host/x", "s3://", "s3:///prefix",
+                "s3://bucket?x=1", "", "s3://key:secret@bucket/p"):
+        with pytest.raises(ValueError, match="objectstore.url"):
+            open_store(bad)
+    with pytest.raises(ValueError, match="nonsense"):
+        open_store(f"file://{tmp_path}/x", nonsense=1)
+    with pytest.raises(ValueError, match="endpoint_url"):
+        open_store(f"file://{tmp_path}/x", endpoint_url="http://h")
+    with pytest.raises(ValueError, match="multipart_part_size"):
+        open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", multipart_part_size=1024)
+    with pytest.raises(ValueError, match="secret_key"):
+        open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", access_key="a")
+
+
+def test_crc32c_helpers(tmp_path):
+    assert crc32c_of(b"123456789") == 0xE3069283
+    assert crc32c_of(b"6789", crc32c_of(b"12345")) == 0xE3069283
+    p = tmp_path / "f"
+    data = os.urandom(3 * MiB + 17)
+    p.write_bytes(data)
+    assert crc32c_file(p) == crc32c_of(data)
+    assert crc32c_file(p, 1000, 2 * MiB) == crc32c_of(data[1000:1000 + 2 * MiB])
+    assert crc32c_file(p, len(data)) == 0
+    with pytest.raises(ValueError):
+        crc32c_file(p, len(data) - 1, 2)

@@ -1,0 +1,706 @@
+"""S3ObjectStore: the ObjectStore interface on any S3-compatible server (AWS S3, Ceph RGW, MinIO, ...) via boto3.
+
+Tuned for ranged-GET latency: one botocore client (thread-safe) reused by every thread, a large keep-alive
+connection pool (`max_pool_connections`, size the caller's thread limiter to match), no default request/response
+checksums (botocore >= 1.36 would otherwise add CRC32 trailers that older servers such as RGW 16 reject, and
+checksum every ranged read), short connect timeout, bounded retries (`max_attempts` total attempts, 'standard' or
+'adaptive' mode) and our own bounded re-read when a response body breaks mid-stream.
+
+Uploads: `put` is one PutObject; `put_file` goes through one shared boto3 TransferManager (multipart above
+`multipart_threshold`, parts of `multipart_part_size`, `multipart_concurrency` parts in flight, optional
+`upload_bandwidth_limit` in bytes/s shared by all uploads of this store). Memory is bounded by part size times
+concurrency. A failed transfer aborts its multipart upload; one left by a killed process is found with
+`list_multipart_uploads` and removed with `abort_multipart`.
+
+Errors: 404/NoSuchKey -> ObjectNotFound; 416 or a short range -> ObjectRangeError; connection failures,
+timeouts, 5xx and throttling (after the retries) -> ObjectStoreUnavailable; everything else -> ObjectStoreError.
+Every message names s3://bucket/prefix/key.
+
+Credentials: explicit access_key/secret_key (+ session_token), or a named profile, or the standard AWS chain
+(environment, shared files, instance/container roles). They are kept only inside the botocore session and a
+redacting wrapper: never in repr(), str(), log lines or exception messages.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import io
+import logging
+import os
+import random
+import re
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, Iterable, Iterator, Mapping
+
+from .base import (MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
+                   ObjectStoreUnavailable, check_range, merge_crc32c, source_length, validate_key,
+                   validate_prefix)
+
+log = logging.getLogger("tierfs.objectstore.s3")
+
+MiB = 1 << 20
+_MIN_PART = 5 * MiB
+_MAX_PART = 5 * 1024 * MiB
+_TOKEN_META = "tierfs-put-token"  # internal: lets a retried conditional PUT recognise its own earlier success
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+                    "ServiceUnavailable", "InternalError", "RequestLimitExceeded", "BandwidthLimitExceeded",
+                    "TooManyRequestsException", "ProvisionedThroughputExceededException", "EC2ThrottledException",
+                    "PriorRequestNotComplete"}
+_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
+_AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+               "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
+_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
+_warned_emulation: set[str] = set()
+_warn_lock = threading.Lock()
+
+# One boto3 session per profile, shared by every store of the process: creating a client from a warm session
+# costs ~10 ms instead of ~100 ms (service models are parsed once). Session.client() is not thread-safe, hence
+# the lock; a forked child starts with a fresh cache (the lock may have been held by another thread at fork).
+_sessions: dict[str | None, Any] = {}
+_sessions_lock = threading.Lock()
+
+
+def _reset_sessions_after_fork() -> None:
+    global _sessions_lock
+    _sessions_lock = threading.Lock()
+    _sessions.clear()
+
+
+os.register_at_fork(after_in_child=_reset_sessions_after_fork)
+
+
+def _make_client(profile: str | None, region: str | None, **kwargs: Any) -> tuple[Any, str]:
+    """(botocore S3 client, effective region) from the shared session of `profile`."""
+    import boto3
+
+    with _sessions_lock:
+        session = _sessions.get(profile)
+        if session is None:
+            session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
+            _sessions[profile] = session
+        region = region or session.region_name or "us-east-1"
+        kwargs["config"] = kwargs["config"].merge(type(kwargs["config"])(region_name=region))
+        return session.client("s3", **kwargs), region
+
+
+class _Secret:
+    """Holds a credential; prints as <redacted>."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def get(self) -> Any:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        return (_Secret, (self._value,))
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    v = str(value).strip().lower()
+    if v not in allowed:
+        raise ValueError(f"S3 object store option {name}={value!r}: allowed values are {', '.join(allowed)}")
+    return v
+
+
+def _number(name: str, value: Any, minimum: float, maximum: float | None = None, integer: bool = True):
+    try:
+        v = int(value) if integer else float(value)
+        if integer and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"S3 object store option {name}={value!r} must be a number") from None
+    if v < minimum or (maximum is not None and v > maximum):
+        rng = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"S3 object store option {name}={value!r} must be {rng}")
+    return v
+
+
+class _FileWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes [offset, offset+length) of a file (for s3transfer)."""
+
+    def __init__(self, path: str | os.PathLike, offset: int, length: int):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._offset, self._length, self._pos = offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self._length - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [memoryview(b)[:n]], self._offset + self._pos)
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    import botocore.exceptions as bx
+    import urllib3.exceptions as ux
+
+    errs: list[type[BaseException]] = [bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError,
+                                       ux.HTTPError, ConnectionError, TimeoutError]
+    if hasattr(bx, "ResponseStreamingError"):
+        errs.append(bx.ResponseStreamingError)
+    return tuple(errs)
+
+
+class S3ObjectStore(ObjectStore):
+    """Objects in `bucket` under `prefix` ('' or 'a/b': keys become 'a/b/<key>').
+
+    Options (all keyword):
+      endpoint_url           None for AWS; e.g. 'http://127.0.0.1:7480' for RGW/MinIO
+      region                 signing region; default: the credential chain's, else 'us-east-1'
+      addressing             'auto' (path style with an endpoint_url, botocore's choice on AWS), 'path', 'virtual'
+      access_key, secret_key, session_token   explicit credentials; else `profile`, else the AWS chain
+      profile                a named profile from the shared AWS config files
+      connect_timeout, read_timeout   seconds per attempt
+      max_attempts           total attempts per request, including the first (>= 1)
+      retry_mode             'standard' (exponential backoff with jitter) or 'adaptive' (also client-side rate
+                             limiting when throttled)
+      max_pool_connections   keep-alive HTTP connections shared by all threads
+      multipart_threshold    put_file uses multipart above this size (bytes)
+      multipart_part_size    bytes per part (5 MiB .. 5 GiB; s3transfer grows it if > 10000 parts)
+      multipart_concurrency  parts uploaded in parallel (shared by all put_file calls)
+      upload_bandwidth_limit bytes/s for put_file uploads (None: unlimited), shared by all uploads
+      list_page_size         keys per ListObjectsV2 page (1..1000)
+      tls_verify             True, False, or a CA bundle path
+      conditional_put        'auto' (probe once, fall back to head+put if the server cannot), 'native', 'emulate'
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 region: str | None = None, addressing: str = "auto", access_key: str | None = None,
+                 secret_key: str | None = None, session_token: str | None = None, profile: str | None = None,
+                 connect_timeout: float = 5.0, read_timeout: float = 30.0, max_attempts: int = 5,
+                 retry_mode: str = "standard", max_pool_connections: int = 64,
+                 multipart_threshold: int = 64 * MiB, multipart_part_size: int = 16 * MiB,
+                 multipart_concurrency: int = 4, upload_bandwidth_limit: int | None = None,
+                 list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto"):
+        if not bucket or not isinstance(bucket, str):
+            raise ValueError("S3 object store: the bucket name is missing")
+        self.bucket = bucket
+        prefix = (prefix or "").strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.prefix = prefix
+        self._kprefix = prefix + "/" if prefix else ""
+        self.endpoint_url = endpoint_url or None
+        self.region = region or None
+        self.addressing = _choice("addressing", addressing, ("auto", "path", "virtual"))
+        if (access_key is None) != (secret_key is None):
+            raise ValueError("S3 object store: access_key and secret_key must be given together (or neither, to "
+                             "use the standard AWS credential chain)")
+        self._credentials = _Secret((access_key, secret_key, session_token))
+        self.profile = profile or None
+        self.connect_timeout = _number("connect_timeout", connect_timeout, 0.01, integer=False)
+        self.read_timeout = _number("read_timeout", read_timeout, 0.01, integer=False)
+        self.max_attempts = _number("max_attempts", max_attempts, 1, 100)
+        self.retry_mode = _choice("retry_mode", retry_mode, ("standard", "adaptive", "legacy"))
+        self.max_pool_connections = _number("max_pool_connections", max_pool_connections, 1, 10000)
+        self.multipart_part_size = _number("multipart_part_size", multipart_part_size, _MIN_PART, _MAX_PART)
+        self.multipart_threshold = _number("multipart_threshold", multipart_threshold, 1)
+        self.multipart_concurrency = _number("multipart_concurrency", multipart_concurrency, 1, 1000)
+        self.upload_bandwidth_limit = (None if not upload_bandwidth_limit else
+                                       _number("upload_bandwidth_limit", upload_bandwidth_limit, 1024))
+        self.list_page_size = _number("list_page_size", list_page_size, 1, 1000)
+        if isinstance(tls_verify, str) and tls_verify.strip().lower() in ("true", "false"):
+            tls_verify = tls_verify.strip().lower() == "true"
+        self.tls_verify = tls_verify
+        self.conditional_put = _choice("conditional_put", conditional_put, ("auto", "native", "emulate"))
+        self._cond_mode: str | None = None if self.conditional_put == "auto" else self.conditional_put
+        self._init_runtime()
+
+    # ---------------------------------------------------------------------------------------------- setup
+
+    def _init_runtime(self) -> None:
+        import botocore.config
+        import botocore.exceptions
+
+        self._bx = botocore.exceptions
+        self._net_errors = _network_errors()
+        self._lock = threading.Lock()
+        self._tm = None
+        access_key, secret_key, token = self._credentials.get()
+        style = self.addressing
+        if style == "auto":
+            style = "path" if self.endpoint_url else "auto"
+        cfg: dict[str, Any] = dict(
+            signature_version="s3v4", connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout, max_pool_connections=self.max_pool_connections, tcp_keepalive=True,
+            retries={"total_max_attempts": self.max_attempts, "mode": self.retry_mode},
+            s3={"addressing_style": style},
+        )
+        try:
+            config = botocore.config.Config(request_checksum_calculation="when_required",
+                                            response_checksum_validation="when_required", **cfg)
+        except TypeError:  # botocore < 1.36: no default checksums to turn off
+            config = botocore.config.Config(**cfg)
+        kwargs: dict[str, Any] = {}
+        if access_key is not None:
+            kwargs = dict(aws_access_key_id=access_key, aws_secret_access_key=secret_key)
+            if token:
+                kwargs["aws_session_token"] = token
+        self._client, self._region = _make_client(self.profile, self.region, endpoint_url=self.endpoint_url,
+                                                  verify=self.tls_verify, config=config, **kwargs)
+
+    def _transfer_manager(self):
+        with self._lock:
+            if self._tm is None:
+                from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+                tc = TransferConfig(multipart_threshold=self.multipart_threshold,
+                                    multipart_chunksize=self.multipart_part_size,
+                                    max_concurrency=self.multipart_concurrency, use_threads=True,
+                                    max_bandwidth=self.upload_bandwidth_limit,
+                                    preferred_transfer_client="classic")
+                self._tm = create_transfer_manager(self._client, tc)
+            return self._tm
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_client", "_tm", "_lock", "_bx", "_net_errors", "_region")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        ep = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"S3ObjectStore({self.url!r}{ep}, region={self._region!r})"
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    @property
+    def atomic_put_if_absent(self) -> bool:  # type: ignore[override]
+        return self._cond_mode != "emulate"
+
+    def close(self) -> None:
+        with self._lock:
+            tm, self._tm = self._tm, None
+        if tm is not None:
+            tm.shutdown()
+        try:
+            self._client.close()
+        except AttributeError:
+            pass
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def _full(self, key: str) -> str:
+        return self._kprefix + validate_key(key)
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._kprefix}{key}"
+
+    def _translate(self, e: BaseException, key: str, op: str) -> ObjectStoreError:
+        where = self._where(key)
+        bx = self._bx
+        if isinstance(e, ObjectStoreError):
+            return e
+        if isinstance(e, bx.ClientError):
+            err = e.response.get("Error", {}) or {}
+            code = str(err.get("Code", "") or "")
+            msg = err.get("Message") or ""
+            status = (e.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+            detail = f"{code or 'error'} (HTTP {status}){': ' + msg if msg else ''}"
+            if code == "NoSuchBucket":
+                return ObjectStoreError(key, f"{op} of {where} failed: bucket {self.bucket!r} does not exist "
+                                             f"({detail})")
+            if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchUpload",)):
+                return ObjectNotFound(key, where)
+            if (isinstance(status, int) and (status >= 500 or status == 429)) or code in _TRANSIENT_CODES:
+                return ObjectStoreUnavailable(key, detail, where, op)
+            if code in _AUTH_CODES or status == 403:
+                return ObjectStoreError(key, f"{op} of {where} was refused: {detail}; check the S3 credentials and "
+                                             "their permissions on the bucket")
+            return ObjectStoreError(key, f"{op} of {where} failed: {detail}")
+        if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+            return ObjectStoreError(key, f"{op} of {where}: no usable S3 credentials ({type(e).__name__}); set "
+                                         "access_key/secret_key or configure the standard AWS credential chain")
+        if isinstance(e, bx.SSLError):
+            return ObjectStoreError(key, f"{op} of {where}: TLS failure talking to the S3 endpoint ({e}); check "
+                                         "tls_verify / the CA bundle")
+        if isinstance(e, self._net_errors):
+            return ObjectStoreUnavailable(key, e, where, op)
+        return ObjectStoreError(key, f"{op} of {where} failed: {type(e).__name__}: {e}")
+
+    def _call(self, op: str, key: str, fn, **kwargs):
+        try:
+            return fn(**kwargs)
+        except Exception as e:  # noqa: BLE001 - translated, original chained
+            raise self._translate(e, key, op) from e
+
+    @staticmethod
+    def _strip_etag(etag: str | None) -> str | None:
+        return etag.strip('"') if etag else etag
+
+    @staticmethod
+    def _response_time(resp: Mapping[str, Any]) -> float | None:
+        date = (resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
+        if not date:
+            return None
+        try:
+            return email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            return None
+
+    def _backoff(self, attempt: int) -> None:
+        time.sleep(min(2.0, 0.05 * (2 ** attempt)) * random.random())
+
+    # ---------------------------------------------------------------------------------------------- writing
+
+    @staticmethod
+    def _body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
+        if isinstance(data, (bytes, bytearray)):
+            return data
+        return memoryview(data).cast("B").tobytes()
+
+    def put(self, key: str, data: bytes | bytearray | memoryview,
+            metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        from . import crc32c_of
+
+        full = self._full(key)
+        body = self._body(data)
+        meta = merge_crc32c(key, metadata, crc32c_of(body))
+        if len(body) > self.multipart_threshold:
+            return self._upload(key, io.BytesIO(body), len(body), meta)
+        resp = self._call("put", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=body,
+                          Metadata=meta)
+        return ObjectInfo(key, len(body), self._strip_etag(resp.get("ETag")), self._response_time(resp), meta)
+
+    def put_file(self, key: str, path: str | os.PathLike, offset: int = 0, length: int | None = None, *,
+                 metadata: Mapping[str, str] | None = None, crc32c: int | None = None) -> ObjectInfo:
+        from . import crc32c_file
+
+        self._full(key)
+        merge_crc32c(key, metadata, crc32c)  # validate before any I/O
+        n = source_length(key, path, offset, length)
+        if crc32c is None:
+            crc32c = crc32c_file(path, offset, n)
+        meta = merge_crc32c(key, metadata, crc32c)
+        whole = offset == 0 and os.stat(path).st_size == n
+        source: Any = os.fspath(path) if whole else _FileWindow(path, offset, n)
+        try:
+            return self._upload(key, source, n, meta)
+        finally:
+            if not isinstance(source, str):
+                source.close()
+
+    def _upload(self, key: str, source: Any, size: int, meta: dict[str, str]) -> ObjectInfo:
+        full = self._full(key)
+        tm = self._transfer_manager()
+        try:
+            future = tm.upload(source, self.bucket, full, extra_args={"Metadata": meta})
+            future.result()
+        except Exception as e:  # noqa: BLE001
+            raise self._translate(e, key, "put_file") from e
+        info = self.head(key)
+        if info is None or info.size != size:
+            raise ObjectStoreError(key, f"put_file of {self._where(key)}: uploaded {size} bytes but the store "
+                                        f"reports {None if info is None else info.size}")
+        return info
+
+    # ---------------------------------------------------------------------------------------------- conditional put
+
+    def put_if_absent(self, key: str, data: bytes | bytearray | memoryview,
+                      metadata: Mapping[str, str] | None = None) -> bool:
+        from . import crc32c_of
+
+        full = self._full(key)
+        body = self._body(data)
+        meta = merge_crc32c(key, metadata, crc32c_of(body))
+        if self._cond_mode is None:
+            self._probe_conditional_put(key)
+        if self._cond_mode == "emulate":
+            return self._emulated_put_if_absent(key, full, body, meta)
+        token = secrets.token_hex(8)
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts + 2):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*",
+                                        Metadata={**meta, _TOKEN_META: token})
+                return True
+            except self._bx.ParamValidationError as e:  # botocore too old to know IfNoneMatch
+                self._use_emulation(f"this botocore cannot send If-None-Match ({e})")
+                return self._emulated_put_if_absent(key, full, body, meta)
+            except self._bx.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412 or code == "PreconditionFailed":
+                    # Someone has the key. If it is us (an earlier attempt succeeded but its answer was lost and
+                    # botocore retried), the stored token is ours.
+                    raw = self._head_raw(key)
+                    return raw is not None and (raw.get("Metadata") or {}).get(_TOKEN_META) == token
+                if status == 409 or code in ("ConditionalRequestConflict", "OperationAborted"):
+                    last = e
+                    self._backoff(attempt)
+                    continue
+                if status == 501 or code == "NotImplemented":
+                    self._use_emulation(f"the server answered {code or status} to If-None-Match")
+                    return self._emulated_put_if_absent(key, full, body, meta)
+                raise self._translate(e, key, "put_if_absent") from e
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, key, "put_if_absent") from e
+        raise ObjectStoreUnavailable(key, last or "conditional write kept conflicting", self._where(key),
+                                     "put_if_absent")
+
+    def _probe_conditional_put(self, key: str) -> None:
+        """Once per store: does the server honour If-None-Match: * on PUT? (501, or silently ignoring it -> no)."""
+        with self._lock:
+            if self._cond_mode is not None:
+                return
+            probe = f"{self._kprefix}.tierfs-probe/{uuid.uuid4().hex}"
+            try:
+                for i in range(2):
+                    try:
+                        self._client.put_object(Bucket=self.bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
+                    except self._bx.ParamValidationError as e:
+                        self._use_emulation(f"this botocore cannot send If-None-Match ({e})")
+                        return
+                    except self._bx.ClientError as e:
+                        code = str(e.response.get("Error", {}).get("Code", ""))
+                        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                        if i == 1 and (status == 412 or code == "PreconditionFailed"):
+                            self._cond_mode = "native"
+                            return
+                        if status == 501 or code == "NotImplemented":
+                            self._use_emulation(f"the server answered {code or status} to If-None-Match")
+                            return
+                        raise self._translate(e, key, "put_if_absent (conditional write probe)") from e
+                    except Exception as e:  # noqa: BLE001
+                        raise self._translate(e, key, "put_if_absent (conditional write probe)") from e
+                self._use_emulation("the server ignored If-None-Match (a second conditional PUT of an existing "
+                                    "key succeeded)")
+            finally:
+                try:
+                    self._client.delete_object(Bucket=self.bucket, Key=probe)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+
+    def _use_emulation(self, why: str) -> None:
+        self._cond_mode = "emulate"
+        ident = f"{self.endpoint_url or 'aws'}/{self.bucket}"
+        with _warn_lock:
+            if ident in _warned_emulation:
+                return
+            _warned_emulation.add(ident)
+        log.warning("S3 object store %s: conditional writes unavailable (%s); put_if_absent falls back to a "
+                    "best-effort HEAD then PUT, which concurrent writers can race", self.url, why)
+
+    def _emulated_put_if_absent(self, key: str, full: str, body: bytes | bytearray, meta: dict[str, str]) -> bool:
+        if self._head_raw(key) is not None:
+            return False
+        self._call("put_if_absent", key, self._client.put_object, Bucket=self.bucket, Key=full, Body=body,
+                   Metadata=meta)
+        return True
+
+    # ---------------------------------------------------------------------------------------------- reading
+
+    def _read_body(self, resp: Mapping[str, Any]) -> bytes:
+        body = resp["Body"]
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        full = self._full(key)
+        check_range(key, start, length)
+        if length == 0:
+            return b""
+        rng = f"bytes={start}-{start + length - 1}"
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=rng)
+            except self._bx.ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 416 or e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    size = self._size_from_error(e)
+                    raise ObjectRangeError(key, start, length, size, self._where(key)) from None
+                raise self._translate(e, key, "get_range") from e
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, key, "get_range") from e
+            try:
+                data = self._read_body(resp)
+            except self._net_errors as e:  # body broke mid-stream: botocore does not retry that, we do
+                last = e
+                self._backoff(attempt)
+                continue
+            if len(data) == length:
+                return data
+            total = self._total_size(resp)
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 200 and len(data) >= start + length:  # server ignored Range: whole object came back
+                return data[start:start + length]
+            if total is not None and total < start + length:
+                raise ObjectRangeError(key, start, length, total, self._where(key))
+            if status == 200 and total is None and len(data) < start + length:
+                raise ObjectRangeError(key, start, length, len(data), self._where(key))
+            last = ObjectStoreError(key, f"short read: {len(data)} of {length} bytes")
+            self._backoff(attempt)
+        raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
+
+    def _size_from_error(self, e) -> int | None:
+        headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}
+        m = _CONTENT_RANGE.match(headers.get("content-range", "") or "")
+        if m and m.group(3) != "*":
+            return int(m.group(3))
+        size = e.response.get("Error", {}).get("ActualObjectSize")
+        try:
+            return int(size) if size is not None else None
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _total_size(resp: Mapping[str, Any]) -> int | None:
+        m = _CONTENT_RANGE.match(resp.get("ContentRange") or "")
+        if m and m.group(3) != "*":
+            return int(m.group(3))
+        return None
+
+    def get(self, key: str) -> bytes:
+        full = self._full(key)
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            resp = self._call("get", key, self._client.get_object, Bucket=self.bucket, Key=full)
+            try:
+                data = self._read_body(resp)
+            except self._net_errors as e:
+                last = e
+                self._backoff(attempt)
+                continue
+            expected = resp.get("ContentLength")
+            if expected is None or len(data) == expected:
+                return data
+            last = ObjectStoreError(key, f"short read: {len(data)} of {expected} bytes")
+            self._backoff(attempt)
+        raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get")
+
+    def _head_raw(self, key: str) -> dict[str, Any] | None:
+        full = self._full(key)
+        try:
+            return self._client.head_object(Bucket=self.bucket, Key=full)
+        except Exception as e:  # noqa: BLE001
+            err = self._translate(e, key, "head")
+            if type(err) is ObjectNotFound:
+                return None
+            raise err from e
+
+    def head(self, key: str) -> ObjectInfo | None:
+        resp = self._head_raw(key)
+        if resp is None:
+            return None
+        meta = {k: v for k, v in (resp.get("Metadata") or {}).items() if k != _TOKEN_META}
+        lm = resp.get("LastModified")
+        return ObjectInfo(key, int(resp.get("ContentLength", 0)), self._strip_etag(resp.get("ETag")),
+                          lm.timestamp() if lm is not None else None, meta)
+
+    # ---------------------------------------------------------------------------------------------- deleting
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=full)
+        except Exception as e:  # noqa: BLE001
+            err = self._translate(e, key, "delete")
+            if type(err) is not ObjectNotFound:
+                raise err from e
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        fulls = [(k, self._full(k)) for k in keys]
+        for i in range(0, len(fulls), 1000):
+            batch = fulls[i:i + 1000]
+            resp = self._call("delete_many", batch[0][0], self._client.delete_objects, Bucket=self.bucket,
+                              Delete={"Objects": [{"Key": f} for _, f in batch], "Quiet": True})
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") not in _NOT_FOUND_CODES]
+            if errors:
+                first = errors[0]
+                fk = first.get("Key", "")
+                key = fk[len(self._kprefix):] if fk.startswith(self._kprefix) else fk
+                raise ObjectStoreError(key, f"delete_many: {len(errors)} of {len(batch)} deletes failed; first: "
+                                            f"{self._where(key)}: {first.get('Code')}: {first.get('Message')}")
+
+    # ---------------------------------------------------------------------------------------------- listing
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        validate_prefix(prefix)
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=self._kprefix + prefix, MaxKeys=self.list_page_size)
+        cut = len(self._kprefix)
+        while True:
+            resp = self._call("list", prefix, self._client.list_objects_v2, **kwargs)
+            for item in resp.get("Contents", []) or []:
+                lm = item.get("LastModified")
+                yield ObjectInfo(item["Key"][cut:], int(item.get("Size", 0)), self._strip_etag(item.get("ETag")),
+                                 lm.timestamp() if lm is not None else None, None)
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+            kwargs["ContinuationToken"] = token
+
+    def list_multipart_uploads(self, prefix: str = "") -> Iterator[MultipartUpload]:
+        validate_prefix(prefix)
+        return self._list_uploads(prefix)
+
+    def _list_uploads(self, prefix: str) -> Iterator[MultipartUpload]:
+        kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=self._kprefix + prefix,
+                                      MaxUploads=self.list_page_size)
+        cut = len(self._kprefix)
+        while True:
+            resp = self._call("list_multipart_uploads", prefix, self._client.list_multipart_uploads, **kwargs)
+            for up in resp.get("Uploads", []) or []:
+                ini = up.get("Initiated")
+                yield MultipartUpload(up["Key"][cut:], up["UploadId"], ini.timestamp() if ini is not None else None)
+            if not resp.get("IsTruncated"):
+                return
+            kwargs["KeyMarker"] = resp.get("NextKeyMarker", "")
+            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker", "")
+            if not kwargs["KeyMarker"] and not kwargs["UploadIdMarker"]:
+                return
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        full = self._full(key)
+        if not upload_id or not isinstance(upload_id, str):
+            raise ValueError(f"object key {key!r}: upload id {upload_id!r} is empty")
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, self._bx.ClientError) and (
+                    e.response.get("Error", {}).get("Code") in ("NoSuchUpload", "NoSuchKey")
+                    or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404):
+                return
+            raise self._translate(e, key, "abort_multipart") from e
