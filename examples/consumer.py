@@ -85,7 +85,6 @@ class Consumer:
         self.seg_size = 0
         self.first_start = 0
         self.valid_end = 0
-        self.last_record_phys = -1
         self.phys_by_seq = array("q")
         self.queue_counts: dict[tuple[str, int], int] = {}
         self.last_queue: tuple[str, int] | None = None
@@ -93,16 +92,13 @@ class Consumer:
         self.pool: bytes | None = None
         self.summary: dict = {}
         self.torn_units = 0
+        self.zero_length_tail: list[str] = []
         self.ignored_units = 0
         self.index_files: list = []
         self.index_headers: list[ix.IndexHeader] = []
         self.index_names: list[str] = []
         self.slots = 0
         self.items = 0
-
-    def log(self, msg: str) -> None:
-        if not self.a.json:
-            print(msg, file=sys.stderr)
 
     # ---- 1. commitlog ----
     def load_commitlog(self) -> None:
@@ -113,6 +109,7 @@ class Consumer:
         bad = [n for n in names if not is_offset_name(n)]
         if bad:
             raise Mismatch(f"commitlog/ holds non-segment files the broker would refuse: {bad[:5]}")
+        names = self._drop_zero_length_tail(d, names)
         for n in names:
             size, buf = _map_ro(d / n)
             self.segments.append(Segment(d / n, name_to_offset(n), size, buf))
@@ -125,6 +122,14 @@ class Consumer:
                 raise Mismatch(f"{s.path}: size {s.size} != {self.seg_size} (broker load() would fail)")
             if s.start != self.first_start + i * self.seg_size:
                 raise Mismatch(f"{s.path}: expected start offset {self.first_start + i * self.seg_size}")
+
+    def _drop_zero_length_tail(self, d: Path, names: list[str]) -> list[str]:
+        """With --recover, ignore a 0-byte last file: a crash between open(O_CREAT) and ftruncate leaves one,
+        and the broker's load() deletes exactly that case silently (§2)."""
+        if self.recover and names and (d / names[-1]).stat().st_size == 0:
+            self.zero_length_tail.append(str((d / names[-1]).relative_to(self.root)))
+            return names[:-1]
+        return names
 
     def _seg_for(self, phys: int) -> Segment | None:
         if not self.segments or phys < self.first_start:
@@ -192,7 +197,6 @@ class Consumer:
                 self._check_body(seq, rec, where)
                 expect_seq += 1
                 phys_by_seq.append(phys)
-                self.last_record_phys = phys
                 self.last_queue = qk
                 self.valid_end = phys + rec.total_size
             if blank_seen:
@@ -245,6 +249,7 @@ class Consumer:
         bad = [n for n in names if not is_offset_name(n)]
         if bad:
             raise Mismatch(f"{qdir}: non-segment files the broker would refuse: {bad[:5]}")
+        names = self._drop_zero_length_tail(qdir, names)
         if not names:
             return 0, 0
         files = []
@@ -329,6 +334,7 @@ class Consumer:
         if not d.is_dir():
             return
         names = sorted(p.name for p in d.iterdir() if p.is_file() and is_index_name(p.name))
+        names = self._drop_zero_length_tail(d, names)
         bufs = []
         for n in names:
             size, buf = _map_ro(d / n)
@@ -433,6 +439,7 @@ class Consumer:
         self.walk_consumequeues()
         self.summary["cq_units_ignored"] = self.ignored_units
         self.summary["cq_units_torn"] = self.torn_units
+        self.summary["zero_length_tail_files"] = self.zero_length_tail
         self.load_index()
         self.check_keys()
         cp_path = self.root / "checkpoint"

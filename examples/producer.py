@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import mmap
 import os
@@ -281,19 +282,17 @@ class SuffixHasher:
 
     def index_hash(self, seq: int) -> int:
         """:func:`index_hash_of` of :meth:`__call__` (``Math.abs``; ``Integer.MIN_VALUE`` -> 0)."""
-        h = self(seq)
-        if h >= 0:
-            return h
-        return 0 if h == -0x80000000 else -h
+        return index_hash_of(self(seq))
 
 
 class IndexFileWriter:
-    __slots__ = ("mf", "writer", "name")
+    """An index file: its mapping plus the ``IndexFile`` write logic over that mapping."""
 
-    def __init__(self, mf: MappedFile, writer: ix.IndexWriter, name: str) -> None:
+    __slots__ = ("mf", "writer")
+
+    def __init__(self, mf: MappedFile, writer: ix.IndexWriter) -> None:
         self.mf = mf
         self.writer = writer
-        self.name = name
 
 
 # --- the producer -------------------------------------------------------------------------------
@@ -321,6 +320,9 @@ class Producer:
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.config_dir = self.root / "config"
+        self.topic_names = topic_names(args.topic_prefix, args.topics, args.long_topics)
+        self._cq_last_thorough = 0.0
+        self.elapsed = 0.0
         self.count = 0
         self.bytes = 0
         self.body_bytes = 0
@@ -394,7 +396,6 @@ class Producer:
         self.cp_file = MappedFile(self.root / "checkpoint", ckpt.CHECKPOINT_SIZE)
         # start(): tryLock(0, 1, false) = fcntl(F_SETLK, F_WRLCK, 0, 1).
         try:
-            import fcntl
             fcntl.lockf(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
         except OSError:
             self._close_small()
@@ -441,7 +442,6 @@ class Producer:
         self.threads.append(t)
 
     def _release_lock(self) -> None:
-        import fcntl
         if self.lock_fd is not None:
             fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, 0, os.SEEK_SET)
 
@@ -536,8 +536,6 @@ class Producer:
                 self.cp.logics_msg_timestamp = logics_ts
             self.checkpoint_flush()
 
-    _cq_last_thorough = 0.0
-
     def _cq_flush_loop(self) -> None:
         interval = self.a.cq_flush_ms / 1000
         while not self.stop_event.wait(interval):
@@ -598,7 +596,7 @@ class Producer:
         end_phy = prev.writer.header.end_phy_offset if prev else 0
         end_ts = prev.writer.header.end_timestamp if prev else 0
         writer = ix.IndexWriter(mf.mm, self.a.index_slots, self.a.index_items, end_phy, end_ts)
-        xf = IndexFileWriter(mf, writer, name)
+        xf = IndexFileWriter(mf, writer)
         self.index_files.append(xf)
         if prev is not None:
             self.index_threads = [t for t in self.index_threads if t.is_alive()]
@@ -660,12 +658,12 @@ class Producer:
         total_msgs = a.messages
         cp = self.cp
 
-        seg = self._next_segment()
-        mm = seg.mm
-        seg_start, seg_size = seg.start, seg.size
-        wpos = 0
-        index = self._index_for_put()
-        iw = index.writer
+        nk = keys_per
+        # Like the broker, the first commitlog segment and index file appear with the first message.
+        seg = mm = None
+        seg_start = 0
+        seg_size = wpos = self.cl_size
+        iw = None
         t0 = time.monotonic()
         seq = 0
         nbytes = 0
@@ -688,7 +686,6 @@ class Producer:
             else:
                 body = head_pack(seq, seed)[:length]
             # properties
-            nk = keys_per if keys_per > 1 else 1
             fill = (seq,) * nk + (seq,)
             if tags:
                 tag_i = seq % len(tags)
@@ -701,9 +698,10 @@ class Producer:
             if size + cl.BLANK_SIZE > seg_size - wpos:
                 if size + cl.BLANK_SIZE > seg_size:
                     raise SystemExit(f"message of {size} bytes cannot fit a {seg_size}-byte commitlog segment")
-                # END_OF_FILE: BLANK with the remaining length, file becomes full, retry in the next file.
-                mm[wpos:wpos + cl.BLANK_SIZE] = cl.encode_blank(seg_size - wpos)
-                seg.wrote = seg_size
+                if seg is not None:
+                    # END_OF_FILE: BLANK with the remaining length, file becomes full, retry in the next file.
+                    mm[wpos:wpos + cl.BLANK_SIZE] = cl.encode_blank(seg_size - wpos)
+                    seg.wrote = seg_size
                 seg = self._next_segment()
                 mm = seg.mm
                 seg_start, seg_size = seg.start, seg.size
@@ -719,17 +717,15 @@ class Producer:
             # Dispatch (ReputMessageService): ConsumeQueue unit, then index keys (UNIQ_KEY, then KEYS).
             cqw.put(phys, size, tags_code)
             cp.logics_msg_timestamp = now
-            if iw.is_full:
-                index = self._index_for_put()
-                iw = index.writer
+            if iw is None or iw.is_full:
+                iw = self._index_for_put().writer
             uh, kh = key_hashers[ti]
             hashes = [uh(seq), kh(seq)]
             for j in range(1, keys_per):
                 hashes.append(index_hash_of(java_string_hash("k-%d-%d" % (seq, j), topic_hash[ti])))
             for h in hashes:
                 if not iw.put_key(h, phys, now):
-                    index = self._index_for_put()
-                    iw = index.writer
+                    iw = self._index_for_put().writer
                     iw.put_key(h, phys, now)
             seq += 1
             nbytes += size
@@ -822,7 +818,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     prod = Producer(a)
-    prod.topic_names = topic_names(a.topic_prefix, a.topics, a.long_topics)
 
     def on_signal(signum, frame):  # flush and exit cleanly
         prod.stop_requested = True

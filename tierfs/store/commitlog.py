@@ -381,56 +381,40 @@ def encode_blank(remaining: int) -> bytes:
 
 # --- decoding ---------------------------------------------------------------------------------------
 
-def _layout(buf, pos: int, end: int, check_crc: bool):
-    """Validate the record header at *pos* without touching the body bytes.
+def _message_layout(buf, pos: int, total: int, tl_size: int, end: int):
+    """Check the lengths of the message record at *pos* whose TOTALSIZE and magic were already read.
 
-    Returns ``None`` (invalid / end of data), ``Blank``, or a tuple
-    ``(total, version, sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, props_off, props_len)``.
+    *tl_size* is the width of the topic length: 1 for MAGIC_V1, 2 for MAGIC_V2 (equal to the version).
+    Reads only SYSFLAG and the three length fields (never the body). Returns None if the record is
+    truncated or its TOTALSIZE disagrees with ``calMsgLength``, else
+    ``(sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, props_off, props_len)`` relative to *pos*.
     """
-    if pos < 0 or pos + 8 > end:
-        return None
-    total, magic = _II.unpack_from(buf, pos)
-    if magic == BLANK_MAGIC:
-        return Blank(total) if total >= BLANK_SIZE else None
-    if magic == MAGIC_V1:
-        version, tl_size = 1, 1
-    elif magic == MAGIC_V2:
-        version, tl_size = 2, 2
-    else:
-        return None
     if total < 91 or pos + total > end:
         return None
     sys_flag = _I.unpack_from(buf, pos + SYSFLAG_POSITION)[0]
     bh = 20 if sys_flag & BORNHOST_V6_FLAG else 8
     sh = 20 if sys_flag & STOREHOSTADDRESS_V6_FLAG else 8
-    body_len_off = 68 + bh + sh
-    fixed = body_len_off + 4
-    if total < fixed + tl_size + 2:
+    body_off = 72 + bh + sh
+    if total < body_off + tl_size + 2:
         return None
-    body_len = _I.unpack_from(buf, pos + body_len_off)[0]
-    if body_len < 0 or fixed + body_len + tl_size + 2 > total:
-        return None
-    body_off = fixed
+    body_len = _I.unpack_from(buf, pos + body_off - 4)[0]
     tl_off = body_off + body_len
-    if version == 2:
-        topic_len = _H.unpack_from(buf, pos + tl_off)[0]
-    else:
-        topic_len = _B.unpack_from(buf, pos + tl_off)[0]
-    if topic_len < 0:
+    if body_len < 0 or tl_off + tl_size + 2 > total:
         return None
+    topic_len = (_H if tl_size == 2 else _B).unpack_from(buf, pos + tl_off)[0]
     topic_off = tl_off + tl_size
     pl_off = topic_off + topic_len
-    if pl_off + 2 > total:
+    if topic_len < 0 or pl_off + 2 > total:
         return None
     props_len = _H.unpack_from(buf, pos + pl_off)[0]
     if props_len < 0 or pl_off + 2 + props_len != total:
         return None
-    if check_crc:
-        stored = _I.unpack_from(buf, pos + 8)[0]
-        with memoryview(buf) as mv:
-            if zlib.crc32(mv[pos + body_off:pos + body_off + body_len]) & 0x7FFFFFFF != stored:
-                return None
-    return (total, version, sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, pl_off + 2, props_len)
+    return sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, pl_off + 2, props_len
+
+
+def _crc_ok(mv: memoryview, pos: int, body_off: int, body_len: int) -> bool:
+    start = pos + body_off
+    return zlib.crc32(mv[start:start + body_len]) & 0x7FFFFFFF == _I.unpack_from(mv, pos + 8)[0]
 
 
 def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> Union[Message, Blank, None]:
@@ -443,15 +427,27 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> Union[Messag
     """
     try:
         end = len(buf)
-    except TypeError:
-        return None
-    try:
-        lay = _layout(buf, pos, end, check_crc)
+        if pos < 0 or pos + 8 > end:
+            return None
+        total, magic = _II.unpack_from(buf, pos)
+        if magic == BLANK_MAGIC:
+            return Blank(total) if total >= BLANK_SIZE else None
+        if magic == MAGIC_V1:
+            version = 1
+        elif magic == MAGIC_V2:
+            version = 2
+        else:
+            return None
+        lay = _message_layout(buf, pos, total, version, end)
+        if lay is None:
+            return None
+        sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, props_off, props_len = lay
+        if check_crc:
+            with memoryview(buf) as mv:
+                if not _crc_ok(mv.cast("B") if mv.format != "B" else mv, pos, body_off, body_len):
+                    return None
     except (struct.error, TypeError, ValueError, IndexError):
         return None
-    if lay is None or isinstance(lay, Blank):
-        return lay
-    total, version, sys_flag, bh, sh, body_off, body_len, topic_off, topic_len, props_off, props_len = lay
     (_, _, crc, queue_id, flag, queue_offset, phys, _, born_ts) = _HEAD.unpack_from(buf, pos)
     p = pos + 48
     born_host = (bytes(buf[p:p + bh - 4]), _I.unpack_from(buf, p + bh - 4)[0])
@@ -523,17 +519,25 @@ def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_s
         pos = 0
         unpack_ii = _II.unpack_from
         unpack_q = _Q.unpack_from
+        layout = _message_layout
         try:
             while pos <= msg_end:
                 total, magic = unpack_ii(mv, pos)
-                if magic == BLANK_MAGIC:
+                if magic == MAGIC_V1:
+                    lay = layout(mv, pos, total, 1, msg_end)
+                elif magic == MAGIC_V2:
+                    lay = layout(mv, pos, total, 2, msg_end)
+                elif magic == BLANK_MAGIC:
                     return pos if total == file_size - pos else None
-                lay = _layout(mv, pos, msg_end, check_crc)
-                if lay is None or isinstance(lay, Blank):
+                else:
+                    return None
+                if lay is None:
+                    return None
+                if check_crc and not _crc_ok(mv, pos, lay[3], lay[4]):
                     return None
                 if file_start is not None and unpack_q(mv, pos + PHYSICAL_OFFSET_POSITION)[0] != file_start + pos:
                     return None
                 pos += total
-        except (struct.error, ValueError, IndexError):
+        except (struct.error, ValueError, IndexError, TypeError):
             return None
         return None

@@ -236,34 +236,51 @@ class IndexWriter:
         self.buf[0:HEADER_SIZE] = self.header.encode()
 
 
-def iter_chain(buf, key: str | int, max_slots: int, max_items: int) -> Iterator[tuple[int, IndexItem]]:
-    """Follow the slot chain of *key* newest to oldest, yielding ``(item_no, item)``.
-
-    Stops where ``selectPhyOffset`` stops structurally: an empty/out-of-range slot, ``index_count <= 1``,
-    ``prev_index <= 0``, ``> index_count`` or equal to the current item. Also stops at an item outside
-    *buf* and after *max_items* steps, so corrupt chains (cycles) cannot hang the caller.
-    """
+def _chain_head(buf, key_hash: int, max_slots: int) -> tuple[int, int, int] | None:
+    """``(begin_timestamp, index_count, newest item number)`` for the key's slot, or None if it has no chain."""
     try:
-        count = decode_header(buf).index_count
-        key_hash = _hash(key)
+        begin_ts, _, _, _, _, count = _HEADER.unpack_from(buf, 0)
         slot_value = _I.unpack_from(buf, HEADER_SIZE + (key_hash % max_slots) * SLOT_SIZE)[0]
     except (struct.error, ValueError, TypeError):
-        return
+        return None
+    if count <= 0:
+        count = 1  # IndexHeader.load
     if slot_value <= INVALID_INDEX or slot_value > count or count <= 1:
-        return
+        return None
+    return begin_ts, count, slot_value
+
+
+def _chain(buf, item_no: int, count: int, max_slots: int, max_items: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Raw ``(item_no, key_hash, phy_offset, time_diff, prev_index)`` along a chain, newest to oldest.
+
+    Structural stops of ``selectPhyOffset``: ``prev <= 0``, ``prev > index_count``, ``prev == current``.
+    Also stops at an item outside *buf* and after *max_items* steps, so corrupt chains (cycles) end.
+    """
     base = HEADER_SIZE + max_slots * SLOT_SIZE
-    size = len(buf)
-    item_no = slot_value
+    limit = len(buf) - ITEM_SIZE
+    unpack = _ITEM.unpack_from
     for _ in range(max_items):
         pos = base + item_no * ITEM_SIZE
-        if pos + ITEM_SIZE > size:
+        if pos > limit:
             return
-        item = IndexItem._make(_ITEM.unpack_from(buf, pos))
-        yield item_no, item
-        prev = item.prev_index
+        h, phy, time_diff, prev = unpack(buf, pos)
+        yield item_no, h, phy, time_diff, prev
         if prev <= INVALID_INDEX or prev > count or prev == item_no:
             return
         item_no = prev
+
+
+def iter_chain(buf, key: str | int, max_slots: int, max_items: int) -> Iterator[tuple[int, IndexItem]]:
+    """Follow the slot chain of *key* newest to oldest, yielding ``(item_no, item)``.
+
+    Yields nothing for an empty/out-of-range slot or ``index_count <= 1``. Never raises on a corrupt buffer.
+    """
+    head = _chain_head(buf, _hash(key), max_slots)
+    if head is None:
+        return
+    _, count, first = head
+    for item_no, h, phy, time_diff, prev in _chain(buf, first, count, max_slots, max_items):
+        yield item_no, IndexItem(h, phy, time_diff, prev)
 
 
 def lookup(
@@ -283,27 +300,12 @@ def lookup(
     Never raises on a corrupt buffer (it returns what it found before the damage).
     """
     out: list[int] = []
-    if max_num <= 0:
+    key_hash = _hash(key)
+    head = _chain_head(buf, key_hash, max_slots) if max_num > 0 else None
+    if head is None:
         return out
-    key_hash = key if type(key) is int else index_key_hash(key)
-    try:
-        begin_ts, _, _, _, _, count = _HEADER.unpack_from(buf, 0)
-        slot_value = _I.unpack_from(buf, HEADER_SIZE + (key_hash % max_slots) * SLOT_SIZE)[0]
-    except (struct.error, ValueError, TypeError):
-        return out
-    if count <= 0:
-        count = 1
-    if slot_value <= INVALID_INDEX or slot_value > count or count <= 1:
-        return out
-    base = HEADER_SIZE + max_slots * SLOT_SIZE
-    limit = len(buf) - ITEM_SIZE
-    unpack = _ITEM.unpack_from
-    item_no = slot_value
-    for _ in range(max_items):  # bound: a corrupt chain may cycle
-        pos = base + item_no * ITEM_SIZE
-        if pos > limit:
-            break
-        h, phy, time_diff, prev = unpack(buf, pos)
+    begin_ts, count, first = head
+    for _, h, phy, time_diff, _ in _chain(buf, first, count, max_slots, max_items):
         if time_diff < 0:
             break
         t = begin_ts + time_diff * 1000
@@ -311,9 +313,8 @@ def lookup(
             out.append(phy)
             if len(out) >= max_num:
                 break
-        if prev <= INVALID_INDEX or prev > count or prev == item_no or t < begin_ms:
+        if t < begin_ms:
             break
-        item_no = prev
     return out
 
 
