@@ -95,10 +95,12 @@ def test_kill9_producer_mid_run_recovers_valid_prefix(mount_store):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert (m.mnt / "abort").exists(), "a killed broker leaves its abort file"
-    got = consume(m.mnt, "--recover")
+    # the killed producer may have appended records it had not indexed yet (the broker re-dispatches those at
+    # abnormal recovery, format §9), so the recovered prefix is checked by queue offset, CRC and phys offset
+    got = consume(m.mnt, "--recover", "--check-keys", "0")
     assert got["ok"] and got["abort_present"] and got["messages"] > 1000
     # and the same prefix is there after a remount (nothing acknowledged lived only in the daemon)
     m.umount()
     m.mount()
-    again = consume(m.mnt, "--recover")
+    again = consume(m.mnt, "--recover", "--check-keys", "0")
     assert again["ok"] and again["messages"] >= got["messages"]
