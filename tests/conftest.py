@@ -8,6 +8,9 @@
     mounted -> Mount
         One default mount on tmp_path/hot at tmp_path/mnt.
 
+    rgw -> ceph_rgw.RGW
+        Session-wide single-node Ceph + radosgw (see tests/ceph_rgw.py), registered here as a plugin.
+
 The whole FUSE part of the suite is skipped with the reason when /dev/fuse (or fusermount3) is missing.
 """
 
@@ -21,6 +24,9 @@ from typing import Iterable, Mapping
 import pytest
 
 from mountutil import FUSE_SKIP_REASON, Mount
+
+# The Ceph RGW (S3) session fixture `rgw`, for tests that do not import it themselves (tests/ceph_rgw.py).
+pytest_plugins = ("ceph_rgw",)
 
 
 @pytest.fixture
@@ -68,5 +74,3 @@ def mount_store(tmp_path: Path, fuse_required: None):
 @pytest.fixture
 def mounted(mount_store) -> Mount:
     return mount_store()
-
-pytest_plugins = ("ceph_rgw",)

@@ -128,20 +128,29 @@ def spawn_python(code: str, *args: Any, cwd: str | os.PathLike | None = None) ->
 
 
 def read_line(proc: subprocess.Popen, timeout: float = 30) -> str:
-    """One line from a helper's stdout, failing (and killing it) instead of blocking past `timeout`."""
+    """One line from a helper's stdout, failing (and killing it) instead of blocking past `timeout`. Reads the
+    pipe unbuffered, so lines a helper printed together are all returned, one per call."""
     import selectors
 
+    buf: bytearray = proc.__dict__.setdefault("_line_buf", bytearray())
+    deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            stop_process(proc)
-            raise AssertionError(f"helper pid {proc.pid} printed nothing within {timeout}s; "
-                                 f"stderr: {proc.stderr.read() if proc.stderr else ''}")
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(timeout=timeout)
-        raise AssertionError(f"helper pid {proc.pid} exited {proc.returncode} early; stderr: {proc.stderr.read()}")
-    return line.rstrip("\n")
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                stop_process(proc)
+                raise AssertionError(f"helper pid {proc.pid} printed no line within {timeout}s; "
+                                     f"stderr: {proc.stderr.read() if proc.stderr else ''}")
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                proc.wait(timeout=timeout)
+                raise AssertionError(f"helper pid {proc.pid} exited {proc.returncode} early; "
+                                     f"stderr: {proc.stderr.read() if proc.stderr else ''}")
+            buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return line.decode()
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10) -> int:
@@ -415,6 +424,11 @@ class Mount:
     def cleanup(self) -> None:
         """Leave nothing behind whatever state the test left: CLI umount when possible, else kill by pid and
         lazy-unmount. Raises only if the mount could not be cleared at all."""
+        if self.pid is None and self.is_mounted(any_state=True):  # mounted by a test's own CLI call
+            try:
+                self.pid = int(self.pid_file.read_text())
+            except (OSError, ValueError):
+                pass
         if self.is_mounted() and self.alive():
             try:
                 res = self.cli("umount", str(self.mnt), timeout=30)

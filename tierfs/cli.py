@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
 import os
 import subprocess
@@ -76,16 +77,28 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = int(pid_file.read_text())
     except (OSError, ValueError):
         pid = None
-    _syncfs(mnt)  # flush dirty pages while the daemon can still take them
+    try:
+        _syncfs(mnt)  # flush dirty pages while the daemon can still take them
+    except OSError as e:
+        if e.errno != errno.ENOTCONN:
+            raise
+        r = subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, text=True)
+        if r.returncode != 0:
+            return _fail(f"{mnt} is a dead mount (its daemon crashed) and could not be cleared: "
+                         f"{r.stderr.strip()}; run 'fusermount3 -uz {mnt}'", 1)
+        return _fail(f"the daemon of {mnt} had crashed; cleared the dead mount (fusermount3 -uz). "
+                     f"Acknowledged data is safe; see {hot}/.tierfs/tierfs.log", 1)
     r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         return _fail(f"could not unmount {mnt}: {r.stderr.strip() or r.stdout.strip()} "
                      f"(files still open? see fuser -m {mnt})", 1)
     if pid is not None:
+        from tierfs.fs.mount import pid_alive  # noqa: PLC0415
+
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        while time.monotonic() < deadline and pid_alive(pid):  # a zombie has exited: do not wait for its reaping
             time.sleep(0.05)
-        if os.path.exists(f"/proc/{pid}"):
+        if pid_alive(pid):
             return _fail(f"daemon pid {pid} did not exit within 60 s after unmount", 1)
         if pid_file.exists():
             return _fail(f"daemon pid {pid} exited without a clean shutdown; see {hot}/.tierfs/tierfs.log", 1)
@@ -94,7 +107,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from tierfs.fs.mount import hot_dir_of  # noqa: PLC0415
+
     mnt = Path(args.mountpoint).resolve()
+    if hot_dir_of(mnt) is None:
+        return _fail(f"{mnt} is not a tierfs mount")
     ctl = mnt / ".tierfs"
     try:
         text = (ctl / ("status.json" if args.json else "status")).read_text()

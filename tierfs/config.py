@@ -7,6 +7,7 @@ so a key cannot exist in one place and be missing in another.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ class Key:
             out = parsers[self.kind](value)
         except (TypeError, ValueError):
             raise self.error(value) from None
+        if isinstance(out, float) and not math.isfinite(out):
+            raise self.error(value)
         if self.kind == "choice" and out not in self.choices:
             raise self.error(value)
         if self.kind == "path" and out and not out.startswith("/"):

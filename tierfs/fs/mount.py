@@ -63,7 +63,7 @@ def check_paths(hot_dir: str, mountpoint: str) -> MountPaths:
     hot = Path(hot_dir).resolve()
     mnt = Path(os.path.abspath(mountpoint))
     try:
-        os.stat(mnt)
+        os.statvfs(mnt)  # unlike stat, always reaches the FUSE connection (no attribute cache)
     except OSError as e:
         if e.errno == errno.ENOTCONN:
             raise MountError(f"mountpoint {mnt} is a dead mount left by a crashed daemon; clear it with "
@@ -261,7 +261,7 @@ def wait_until_mounted(mountpoint: Path, pid: int, timeout: float = 30.0) -> boo
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        if not _alive(pid):
+        if not pid_alive(pid):
             return False
         if is_mounted(mountpoint, "fuse.tierfs"):
             try:
@@ -273,7 +273,7 @@ def wait_until_mounted(mountpoint: Path, pid: int, timeout: float = 30.0) -> boo
     return False
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ", 1)[1][0] not in "ZX"

@@ -104,6 +104,7 @@ class TierOperations(pyfuse3.Operations):
         self.engine = engine
         self._tiered: dict[int, Any] = engine.tiered if engine is not None else {}
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
+        self._unlinked_stat: dict[int, os.stat_result] = {}  # last attributes of unlinked inodes, until forget
 
     # ---------------------------------------------------------------- helpers
 
@@ -174,9 +175,12 @@ class TierOperations(pyfuse3.Operations):
             except FileNotFoundError:
                 pass
         fd = self.inodes.any_fd(inode)
-        if fd is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return os.fstat(fd)  # unlinked but still open or mapped
+        if fd is not None:
+            return os.fstat(fd)  # unlinked but still open or mapped
+        st = self._unlinked_stat.get(inode)
+        if st is not None:  # unlinked and closed, but the kernel still holds it (e.g. to flush its ctime)
+            return st
+        raise pyfuse3.FUSEError(errno.ENOENT)
 
     def _chown_new(self, path: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
         if not self._is_root:
@@ -222,6 +226,8 @@ class TierOperations(pyfuse3.Operations):
         for inode, n in inode_list:
             if not control.ControlDir.owns(inode):
                 self.inodes.forget(inode, n)
+                if inode not in self.inodes.paths:
+                    self._unlinked_stat.pop(inode, None)
 
     @_handler("getattr")
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
@@ -238,6 +244,8 @@ class TierOperations(pyfuse3.Operations):
         rel = self.inodes.path(inode)
         if fd is None and rel is None:
             fd = self.inodes.any_fd(inode)
+            if fd is None and inode in self._unlinked_stat:
+                return self._attrs(self._unlinked_stat[inode], inode)  # nothing left to change on disk
         target: Any = fd if fd is not None else self._full(self._rel(inode))
         if fields.update_size:
             t = self._tiered.get(inode)
@@ -350,9 +358,12 @@ class TierOperations(pyfuse3.Operations):
     async def unlink(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent, name)
         full = self._full(rel)
-        ino = self.inodes.ino_of(os.lstat(full))
+        st = os.lstat(full)
+        ino = self.inodes.ino_of(st)
         os.unlink(full)
         self.inodes.unlinked(ino, rel)
+        if st.st_nlink <= 1:
+            self._unlinked_stat[ino] = st
         if self.engine is not None:
             await self.engine.on_unlink(rel)
 
