@@ -1,0 +1,498 @@
+"""Helpers shared by the tierfs benchmarks (bench/*.py): a mount that always cleans up, child-process workloads,
+page-cache eviction and residency checks, FUSE stats deltas, py-spy capture and ratio tables.
+
+Nothing here imports tierfs: the benchmarks drive the real CLI (`python -m tierfs mount/umount`) exactly as an
+operator would, and talk to the daemon only through its mount (`MNT/.tierfs/...`) and its pid file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+PY = sys.executable
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ signals / temp dirs
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP turned into an exception so every `finally` (unmount, kill, rm) still runs."""
+
+
+def install_signal_handlers() -> None:
+    def _raise(signum: int, _frame: Any) -> None:
+        raise Interrupted(f"signal {signal.Signals(signum).name}")
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _raise)
+
+
+@contextlib.contextmanager
+def temp_base(parent: str | None, prefix: str = "tierfs-bench-", keep: bool = False) -> Iterator[Path]:
+    """A fresh temp dir under `parent` (default: $TMPDIR), removed on exit unless keep=True."""
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir=parent)).resolve()
+    try:
+        yield base
+    finally:
+        if keep:
+            log(f"kept {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ page cache
+
+
+def syncfs(path: str | os.PathLike) -> None:
+    """Flush one filesystem's dirty data (never drops caches)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _libc.syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+def evict(path: str | os.PathLike, sync: bool = False) -> None:
+    """Drop one file's clean pages from the page cache (sync=True: fdatasync first so dirty pages can go too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sync:
+            with contextlib.suppress(OSError):
+                os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_fraction(path: str | os.PathLike) -> float:
+    """Share of the file's pages in the page cache (mincore over a PROT_READ mapping; touches no page)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return 0.0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            return float("nan")
+        try:
+            npages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = ctypes.create_string_buffer(npages)
+            if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return float("nan")
+            raw = vec.raw
+            return sum(b & 1 for b in raw) / npages
+        finally:
+            _libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
+def write_data_file(path: Path, size: int, chunk: int = 1 << 20) -> None:
+    """A non-sparse file of `size` bytes of incompressible data, fsynced and evicted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = bytearray(os.urandom(chunk))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        while off < size:
+            block[0:8] = off.to_bytes(8, "little")
+            n = min(chunk, size - off)
+            os.pwrite(fd, memoryview(block)[:n], off)
+            off += n
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_file_once(path: Path, chunk: int = 1 << 20) -> int:
+    """Read a whole file sequentially (warm-up of lower layers); returns the bytes read."""
+    buf = bytearray(chunk)
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while (n := os.readv(fd, [buf])) > 0:
+            total += n
+    finally:
+        os.close(fd)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence (q in 0..1)."""
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[k]
+
+
+def median(values: Iterable[float]) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+# ------------------------------------------------------------------------------------------------ child workloads
+
+
+def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run one workload in its own interpreter; it must print one JSON object as its last stdout line."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"workload child failed (rc {proc.returncode}): {' '.join(argv[-2:])}\n{err.strip()}")
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    if not lines:
+        raise RuntimeError(f"workload child printed nothing\n{err.strip()}")
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------------------------------------ the mount
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def _mounted(mnt: Path) -> bool:
+    mp = str(mnt)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and bytes(parts[1], "ascii").decode("unicode_escape") == mp:
+                return True
+    return False
+
+
+def mount_dev(mnt: Path) -> tuple[int, int] | None:
+    mp = str(mnt)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if bytes(parts[4], "ascii").decode("unicode_escape") == mp:
+                a, b = parts[2].split(":")
+                found = (int(a), int(b))
+    return found
+
+
+class TierfsMount:
+    """`tierfs mount HOT MNT -o ...` that always goes away: clean umount, else lazy unmount, abort of the FUSE
+    connection and SIGTERM/SIGKILL of the daemon by its pid (never by name)."""
+
+    def __init__(self, hot: Path, mnt: Path, options: Sequence[str] = (), tierfs_src: str | None = None):
+        self.hot, self.mnt = Path(hot).resolve(), Path(mnt).resolve()
+        self.options = list(options)
+        self.env = dict(os.environ)
+        # cwd is "/" for the CLI so `python -m tierfs` never picks up a tierfs/ from the caller's cwd
+        if tierfs_src:  # run the daemon (and umount) from another source tree
+            src = str(Path(tierfs_src).resolve())
+            self.env["PYTHONPATH"] = src + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+        self.pid: int | None = None
+        self.dev: tuple[int, int] | None = None
+
+    def __enter__(self) -> "TierfsMount":
+        self.hot.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        cmd = [PY, "-m", "tierfs", "mount", str(self.hot), str(self.mnt)]
+        for o in self.options:
+            cmd += ["-o", o]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env, cwd="/")
+            if r.returncode != 0:
+                raise RuntimeError(f"tierfs mount failed: {r.stderr.strip() or r.stdout.strip()}")
+            self.pid = int((self.hot / ".tierfs" / "daemon.pid").read_text())
+            self.dev = mount_dev(self.mnt.resolve())
+        except BaseException:
+            self._teardown(clean=False)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._teardown(clean=True)
+
+    def _teardown(self, clean: bool) -> None:
+        if self.pid is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.pid = int((self.hot / ".tierfs" / "daemon.pid").read_text())
+        if clean and _mounted(self.mnt.resolve()):
+            try:
+                r = subprocess.run([PY, "-m", "tierfs", "umount", str(self.mnt)], capture_output=True, text=True,
+                                   timeout=120, env=self.env, cwd="/")
+                if r.returncode != 0:
+                    log(f"tierfs umount failed: {r.stderr.strip()}")
+            except subprocess.TimeoutExpired:
+                log("tierfs umount timed out")
+        if _mounted(self.mnt.resolve()):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+        if self.pid is not None and _alive(self.pid):
+            self._kill(self.pid)
+        if self.dev is not None and _mounted(self.mnt.resolve()):  # last resort: abort the connection
+            with contextlib.suppress(OSError):
+                Path(f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}/abort").write_text("1")
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+
+    @staticmethod
+    def _kill(pid: int) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if not _alive(pid):
+                return
+        log(f"daemon pid {pid} survived SIGKILL")
+
+    # -------------------------------------------------------------------------------- inspection
+
+    def stats(self) -> dict:
+        """Parsed MNT/.tierfs/stats: {'bytes_read', 'bytes_written', 'ops': {op: {count, mean_us, ...}}}."""
+        out: dict[str, Any] = {"ops": {}}
+        try:
+            text = (self.mnt / ".tierfs" / "stats").read_text()
+        except OSError:
+            return out
+        header: list[str] | None = None
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] in ("bytes_read", "bytes_written", "uptime_s"):
+                out[parts[0]] = float(parts[1]) if "." in parts[1] else int(parts[1])
+            elif parts and parts[0] == "op":
+                header = parts
+            elif header and len(parts) == len(header):
+                out["ops"][parts[0]] = {h: (int(v) if v.isdigit() else float(v)) for h, v in zip(header[1:], parts[1:])}
+        return out
+
+    def kernel_tuning(self) -> dict:
+        """What the kernel really uses for this mount (bdi read-ahead, fusectl knobs)."""
+        out: dict[str, Any] = {}
+        if self.dev is None:
+            return out
+        bdi = f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}"
+        paths = {k: f"{bdi}/{k}" for k in ("read_ahead_kb", "max_ratio", "strict_limit", "max_bytes")}
+        conn = f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}"
+        for k in ("max_background", "congestion_threshold"):
+            paths[k] = f"{conn}/{k}"
+        for k, p in paths.items():
+            with contextlib.suppress(OSError, ValueError):
+                out[k] = int(Path(p).read_text())
+        return out
+
+
+def set_bdi(mount: "TierfsMount", settings: Sequence[str]) -> dict:
+    """Write KEY=VALUE pairs to /sys/class/bdi/<mount dev>/KEY (e.g. max_ratio=20, strict_limit=0)."""
+    done: dict[str, Any] = {}
+    if mount.dev is None:
+        return done
+    for item in settings:
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            key, _, value = part.partition("=")
+            path = Path(f"/sys/class/bdi/{mount.dev[0]}:{mount.dev[1]}/{key.strip()}")
+            try:
+                path.write_text(value.strip())
+                done[key.strip()] = path.read_text().strip()
+            except OSError as e:
+                log(f"could not set {path} = {value.strip()}: {e.strerror}")
+    return done
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Requests served between two stats snapshots: count per op, and bytes per READ/WRITE request."""
+    ops: dict[str, Any] = {}
+    for name, a in after.get("ops", {}).items():
+        b = before.get("ops", {}).get(name, {})
+        n = a.get("count", 0) - b.get("count", 0)
+        if n > 0:
+            # mean over the interval from the two cumulative means
+            tot = a.get("mean_us", 0) * a.get("count", 0) - b.get("mean_us", 0) * b.get("count", 0)
+            # (the stats file rounds means to 0.1 us, so with few requests this is approximate; never negative)
+            ops[name] = {"count": n, "mean_us": round(max(tot / n, 0.0), 1), "p50_us_cum": a.get("p50_us"),
+                         "p99_us_cum": a.get("p99_us")}
+    rd = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    wr = after.get("bytes_written", 0) - before.get("bytes_written", 0)
+    out = {"ops": ops, "bytes_read": rd, "bytes_written": wr}
+    if ops.get("read", {}).get("count"):
+        out["read_bytes_per_op"] = rd // ops["read"]["count"]
+    if ops.get("write", {}).get("count"):
+        out["write_bytes_per_op"] = wr // ops["write"]["count"]
+    return out
+
+
+def format_stats_delta(d: dict) -> str:
+    parts = []
+    for name, s in sorted(d["ops"].items(), key=lambda kv: -kv[1]["count"]):
+        if name in ("lookup", "getattr", "open", "release", "flush", "opendir", "readdir", "releasedir", "forget",
+                    "access", "statfs") and s["count"] < 20:
+            continue
+        extra = ""
+        if name == "read" and "read_bytes_per_op" in d:
+            extra = f", {d['read_bytes_per_op'] / 1024:.0f} KiB/op"
+        if name == "write" and "write_bytes_per_op" in d:
+            extra = f", {d['write_bytes_per_op'] / 1024:.0f} KiB/op"
+        parts.append(f"{name} {s['count']} (mean {s['mean_us']} us{extra})")
+    return "; ".join(parts) or "-"
+
+
+# ------------------------------------------------------------------------------------------------ py-spy
+
+
+def py_spy_path() -> str | None:
+    cand = Path(PY).with_name("py-spy")
+    return str(cand) if cand.exists() else shutil.which("py-spy")
+
+
+@contextlib.contextmanager
+def py_spy_record(pid: int, out: Path, fmt: str = "speedscope", rate: int = 200) -> Iterator[None]:
+    """Sample `pid` (all threads, GIL and idle excluded, non-blocking) while the block runs."""
+    exe = py_spy_path()
+    if exe is None:
+        log("py-spy not found; install it with: .venv/bin/pip install py-spy")
+        yield
+        return
+    cmd = [exe, "record", "-p", str(pid), "-o", str(out), "--format", fmt, "--rate", str(rate), "--nonblocking",
+           "--threads"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if not out.exists():
+            log(f"py-spy wrote no profile: {err.strip()[-500:]}")
+
+
+@contextlib.contextmanager
+def perf_record(pid: int, out: Path, freq: int = 999) -> Iterator[None]:
+    """`perf record -g` of one process (all its threads, kernel + user) while the block runs."""
+    exe = shutil.which("perf")
+    if exe is None:
+        log("perf not found")
+        yield
+        return
+    proc = subprocess.Popen([exe, "record", "-g", "-F", str(freq), "-p", str(pid), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def perf_top_symbols(data: Path, top: int = 25) -> list[str]:
+    """Self-time share per (dso, symbol) from a perf.data file."""
+    r = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,sym", "--stdio",
+                        "-g", "none", "--percent-limit", "0.5"], capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+    return lines[:top]
+
+
+def summarize_speedscope(path: Path, top: int = 15) -> dict:
+    """Self and inclusive sample shares per function from a py-spy speedscope file."""
+    doc = json.loads(Path(path).read_text())
+    frames = doc["shared"]["frames"]
+    self_w: dict[int, float] = {}
+    incl_w: dict[int, float] = {}
+    total = 0.0
+    for prof in doc["profiles"]:
+        if prof.get("type") != "sampled":
+            continue
+        for stack, w in zip(prof["samples"], prof["weights"]):
+            total += w
+            if stack:
+                self_w[stack[-1]] = self_w.get(stack[-1], 0) + w
+            for fi in set(stack):
+                incl_w[fi] = incl_w.get(fi, 0) + w
+
+    def name(fi: int) -> str:
+        f = frames[fi]
+        file = f.get("file") or ""
+        short = "/".join(file.split("/")[-2:]) if file else ""
+        return f"{f['name']} ({short}:{f.get('line', '?')})"
+
+    def top_of(d: dict[int, float]) -> list[tuple[str, float]]:
+        return [(name(fi), round(100 * w / total, 1)) for fi, w in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    nsamples = sum(len(p.get("samples", ())) for p in doc["profiles"])
+    return {"samples": nsamples, "self_pct": top_of(self_w), "inclusive_pct": top_of(incl_w)} if total else \
+        {"samples": 0, "self_pct": [], "inclusive_pct": []}
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+
+def fmt_num(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1e5:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], file: Any = None) -> None:
+    cells = [[fmt_num(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    out = file or sys.stdout
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))
+    print(line, file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=out)
+    out.flush()

@@ -1,0 +1,482 @@
+#!/usr/bin/env python3
+"""Hot-path benchmark: the broker's four I/O patterns on a native dir vs. through a tierfs mount.
+
+One run creates a temp base dir (`--dir`, default $TMPDIR) holding a native dir, a hot dir and a mountpoint (so
+native and hot share one filesystem), mounts tierfs with the real CLI, and runs every workload once natively and
+once through the mount, each in its own child interpreter (so the Python-side cost is identical on both sides):
+
+  a  CommitLog: 1 KiB records memcpy'd into MAP_SHARED mmaps of 1 GiB ftruncate'd segments (struct.pack_into for
+     the offsets), mmap.flush() (msync of the whole mapping) every 500 ms, roll when full.
+     Figure: MB/s of durable data (bytes covered by completed msyncs, final msync included / elapsed).
+  b  ConsumeQueue: 20-byte sequential os.write + fdatasync every 1 s. Figure: writes/s.
+  c  Sequential 1 MiB reads of an uncached 1 GiB file. Figure: MB/s.
+  d  Random 4 KiB reads of the same uncached file (re-evicted every 256 reads, untimed, so read-ahead never
+     warms it; offsets never repeat). Figures: p50 / p99 latency (us).
+
+Uncached = posix_fadvise(DONTNEED) on the native name, the hot (backing) name AND the file seen through the
+mount, checked with mincore; the page cache is never dropped globally. For c and d the native name is a hard
+link to the hot file, so both runs read the same blocks (a VM's host cache cannot favour one side).
+
+    .venv/bin/python bench/hot_path.py --seconds 8
+    .venv/bin/python bench/hot_path.py --only a,b -o mount.writeback_cache=false --json out.json
+    .venv/bin/python bench/hot_path.py --only c --py-spy /tmp/prof      # profile the daemon on the mount runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import random
+import struct
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+WORKLOADS = {
+    "a": "CommitLog mmap append 1 KiB + msync/500ms",
+    "b": "ConsumeQueue 20 B write + fdatasync/1s",
+    "c": "seq read 1 MiB, uncached 1 GiB file",
+    "d": "random read 4 KiB, uncached",
+}
+
+# ======================================================================================== child side: workloads
+
+
+def wl_commitlog(p: dict) -> dict:
+    """Broker CommitLog: MAP_SHARED mmap of preallocated (ftruncate) segments; flusher msyncs the whole mapping."""
+    d = Path(p["dir"]) / "commitlog"
+    d.mkdir(parents=True, exist_ok=True)
+    seg_size, rs, interval, seconds = p["segment_size"], p["record_size"], p["flush_interval"], p["seconds"]
+    assert seg_size % rs == 0
+    rec = bytearray(os.urandom(rs))
+    struct.pack_into(">iI", rec, 0, rs, 0xDAA320A7)  # TOTALSIZE, MAGICCODE
+    pack = struct.Struct(">qq").pack_into  # QUEUEOFFSET @20, PHYSICALOFFSET @28
+    msync_us: list[float] = []
+    segments = 0
+
+    def open_segment(base: int) -> tuple[int, mmap.mmap]:
+        nonlocal segments
+        segments += 1
+        fd = os.open(d / f"{base:020d}", os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, seg_size)
+        return fd, mmap.mmap(fd, seg_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def msync(mm: mmap.mmap) -> None:
+        t = time.perf_counter()
+        mm.flush()  # msync(addr, whole mapping, MS_SYNC), like MappedByteBuffer.force()
+        msync_us.append((time.perf_counter() - t) * 1e6)
+
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    next_flush = t0 + interval
+    base, pos, qoff, durable = 0, 0, 0, 0
+    fd, mm = open_segment(base)
+    batch = 64
+    while True:
+        for _ in range(batch):
+            if pos == seg_size:  # full: force the whole file before moving on, then roll
+                msync(mm)
+                durable = base + pos
+                mm.close()
+                os.close(fd)
+                base += seg_size
+                pos = 0
+                fd, mm = open_segment(base)
+            pack(rec, 20, qoff, base + pos)
+            mm[pos:pos + rs] = rec
+            pos += rs
+            qoff += 1
+        now = time.perf_counter()
+        if now >= next_flush:
+            covered = base + pos
+            msync(mm)
+            durable = covered
+            next_flush = max(next_flush + interval, time.perf_counter())
+            if now >= deadline:
+                break
+    elapsed = time.perf_counter() - t0  # includes the final msync
+    mm.close()
+    os.close(fd)
+    ms = sorted(msync_us)
+    return {"value": durable / elapsed / 1e6, "unit": "MB/s", "durable_bytes": durable, "elapsed_s": elapsed,
+            "records": qoff, "segments": segments, "msyncs": len(ms), "msync_p50_ms": C.percentile(ms, .5) / 1e3,
+            "msync_max_ms": (ms[-1] / 1e3) if ms else None}
+
+
+def wl_consumequeue(p: dict) -> dict:
+    """Broker 5.3 ConsumeQueue: position+write(20 B) per message; flusher fdatasyncs every second."""
+    d = Path(p["dir"]) / "consumequeue" / "TopicTest" / "0"
+    d.mkdir(parents=True, exist_ok=True)
+    unit, file_size, interval, seconds = 20, p["cq_file_size"], p["sync_interval"], p["seconds"]
+    entry = bytearray(unit)
+    pack = struct.Struct(">qiq").pack_into
+    sync_us: list[float] = []
+
+    def open_file(k: int) -> int:
+        fd = os.open(d / f"{k * unit:020d}", os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, file_size)  # the broker maps CQ files at full size first
+        return fd
+
+    def fdatasync(fd: int) -> None:
+        t = time.perf_counter()
+        os.fdatasync(fd)
+        sync_us.append((time.perf_counter() - t) * 1e6)
+
+    per_file = file_size // unit
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    next_sync = t0 + interval
+    k = 0
+    fd = open_file(0)
+    write = os.write
+    while True:
+        for _ in range(256):
+            if k and k % per_file == 0:
+                fdatasync(fd)
+                os.close(fd)
+                fd = open_file(k)
+            pack(entry, 0, k * 1024, 1024, 0x1234)
+            write(fd, entry)
+            k += 1
+        now = time.perf_counter()
+        if now >= next_sync:
+            fdatasync(fd)
+            next_sync = max(next_sync + interval, time.perf_counter())
+            if now >= deadline:
+                break
+    elapsed = time.perf_counter() - t0
+    os.close(fd)
+    s = sorted(sync_us)
+    return {"value": k / elapsed, "unit": "writes/s", "writes": k, "elapsed_s": elapsed, "fdatasyncs": len(s),
+            "fdatasync_p50_ms": C.percentile(s, .5) / 1e3, "fdatasync_max_ms": (s[-1] / 1e3) if s else None}
+
+
+def _evict_all(paths: dict[str, str]) -> dict:
+    """Evict every copy, then report the share of each still resident (should be 0)."""
+    for q in paths.values():
+        C.evict(q)
+    return {label: round(C.resident_fraction(q), 4) for label, q in paths.items()}
+
+
+def wl_seqread(p: dict) -> dict:
+    buf = bytearray(p["block"])
+    mv = memoryview(buf)
+    total, elapsed, rates = 0, 0.0, []
+    for _ in range(p["passes"]):  # each pass: evict every copy, then one timed sequential read of the file
+        cached = _evict_all(p["evict"])
+        fd = os.open(p["file"], os.O_RDONLY)
+        n_pass = 0
+        t0 = time.perf_counter()
+        while True:
+            n = os.readv(fd, [mv])
+            if n <= 0:
+                break
+            n_pass += n
+        dt = time.perf_counter() - t0
+        os.close(fd)
+        total += n_pass
+        elapsed += dt
+        rates.append(round(n_pass / dt / 1e6, 1))
+    return {"value": total / elapsed / 1e6, "unit": "MB/s", "bytes": total, "elapsed_s": elapsed,
+            "pass_MBps": rates, "resident_before": cached}
+
+
+def wl_randread(p: dict) -> dict:
+    cached = _evict_all(p["evict"])
+    bs = p["block"]
+    fd = os.open(p["file"], os.O_RDONLY)
+    npages = os.fstat(fd).st_size // bs
+    rnd = random.Random(p.get("seed", 42))
+    offs = [i * bs for i in rnd.sample(range(npages), min(npages, p["max_ops"]))]  # no repeats: never a cache hit
+    lat: list[int] = []
+    pread, clock = os.pread, time.perf_counter_ns
+    t0 = time.perf_counter()
+    deadline = t0 + p["seconds"]
+    every = p["evict_every"]
+    untimed = 0.0
+    for i, off in enumerate(offs):
+        if i and not i % every:  # keep the cache empty so no read-ahead history builds up (untimed)
+            u = time.perf_counter()
+            for q in p["evict"].values():
+                C.evict(q)
+            untimed += time.perf_counter() - u
+            if time.perf_counter() - untimed >= deadline:
+                break
+        s = clock()
+        pread(fd, bs, off)
+        lat.append(clock() - s)
+    elapsed = time.perf_counter() - t0 - untimed
+    os.close(fd)
+    lat.sort()
+    us = [x / 1e3 for x in lat]
+    return {"value": C.percentile(us, .5), "unit": "us", "p50_us": C.percentile(us, .5),
+            "p99_us": C.percentile(us, .99), "mean_us": sum(us) / len(us), "ops": len(us),
+            "iops": len(us) / elapsed, "hits_under_20us": round(sum(1 for x in us if x < 20) / len(us), 3),
+            "resident_before": cached}
+
+
+CHILD = {"a": wl_commitlog, "b": wl_consumequeue, "c": wl_seqread, "d": wl_randread}
+
+
+def child_main(wl: str, params_json: str) -> int:
+    res = CHILD[wl](json.loads(params_json))
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+# ======================================================================================== parent side
+
+
+def _rm_tree_contents(path: Path) -> None:
+    """Remove a workload's files (through the mount when it is the mount, so the daemon sees the unlinks)."""
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsMount, native: Path,
+             files: dict[str, Path], prof_dir: Path | None, rep: int) -> dict:
+    """One workload: native run, then mount run, each in a fresh child. Returns both results + FUSE stats."""
+    out: dict = {}
+    # alternate which side goes first across repetitions, so neither always inherits the other's writeback
+    for side in (("native", "mount") if rep % 2 == 0 else ("mount", "native")):
+        root = native if side == "native" else mnt.mnt
+        params: dict = {"seconds": args.seconds}
+        # a and b use the broker's layout at the store root, so path classification in the daemon is exercised
+        work = root / {"a": "commitlog", "b": "consumequeue"}.get(wl, "data")
+        if wl == "a":
+            params.update(dir=str(root), segment_size=args.segment_size, record_size=args.record_size,
+                          flush_interval=args.flush_interval)
+        elif wl == "b":
+            params.update(dir=str(root), cq_file_size=args.cq_file_size, sync_interval=args.sync_interval)
+        else:
+            target = files["native"] if side == "native" else files["mount"]
+            # evict everything that could serve the read: the native copy, the backing copy and the FUSE copy
+            params.update(file=str(target), evict={k: str(v) for k, v in files.items()})
+            if wl == "c":
+                params.update(block=args.seq_block, passes=args.seq_passes)
+            else:
+                params.update(block=args.rand_block, max_ops=args.rand_max_ops, seed=1000 + rep,
+                              evict_every=args.rand_evict_every)
+        argv = [C.PY, str(Path(__file__).resolve()), "--child", wl, json.dumps(params)]
+        timeout = args.seconds * 6 + 300
+        C.syncfs(native)  # start each run with no dirty data from the previous one (flush only, no drop)
+        before = mnt.stats() if side == "mount" else None
+        if side == "mount" and (prof_dir is not None or args.perf):
+            with contextlib.ExitStack() as stack:
+                if prof_dir is not None:
+                    prof = prof_dir / f"{wl}-rep{rep}.speedscope.json"
+                    stack.enter_context(C.py_spy_record(mnt.pid, prof, rate=args.py_spy_rate))
+                if args.perf:
+                    pdata = Path(args.perf).resolve() / f"{wl}-rep{rep}.perf.data"
+                    pdata.parent.mkdir(parents=True, exist_ok=True)
+                    stack.enter_context(C.perf_record(mnt.pid, pdata))
+                res = C.run_child(argv, timeout, env)
+            if prof_dir is not None:
+                res["profile"] = str(prof)
+            if args.perf:
+                res["perf_data"] = str(pdata)
+        else:
+            res = C.run_child(argv, timeout, env)
+        if side == "mount":
+            res["fuse"] = C.stats_delta(before, mnt.stats())
+        if wl in ("a", "b"):
+            t = time.perf_counter()
+            _rm_tree_contents(work)
+            C.syncfs(native)
+            res["cleanup_s"] = round(time.perf_counter() - t, 2)
+        out[side] = res
+        C.log(f"{wl} rep{rep} {side}: {C.fmt_num(res['value'])} {res['unit']}"
+              + (f"  [{C.format_stats_delta(res['fuse'])}]" if side == "mount" else ""))
+    return out
+
+
+def summarize(wl: str, reps: list[dict]) -> dict:
+    nat = C.median(r["native"]["value"] for r in reps)
+    mnt = C.median(r["mount"]["value"] for r in reps)
+    row = {"workload": wl, "name": WORKLOADS[wl], "unit": reps[0]["native"]["unit"], "native": nat, "mount": mnt,
+           "ratio": mnt / nat if nat else float("nan")}
+    if wl == "d":
+        row["native_p99"] = C.median(r["native"]["p99_us"] for r in reps)
+        row["mount_p99"] = C.median(r["mount"]["p99_us"] for r in reps)
+        row["ratio_p99"] = row["mount_p99"] / row["native_p99"]
+        row["target"] = "p50 <= 2x"
+        row["pass"] = row["ratio"] <= 2.0
+    else:
+        need = {"a": 0.5, "b": 0.85, "c": 0.6}[wl]
+        row["target"] = f">= {need}"
+        row["pass"] = row["ratio"] >= need
+    return row
+
+
+def print_report(rows: list[dict], results: dict, options: list[str], tuning: dict, seconds: float,
+                 bdi: list[str] = ()) -> None:
+    print()
+    print(f"tierfs hot-path benchmark  (seconds={seconds}, -o {','.join(options) or '(defaults)'}"
+          f"{'; --bdi ' + ','.join(bdi) if bdi else ''}; "
+          f"kernel: {', '.join(f'{k}={v}' for k, v in tuning.items()) or '?'})")
+    table = []
+    for r in rows:
+        if r["workload"] == "d":
+            table.append([f"d  {r['name']} p50", "us", r["native"], r["mount"], f"{r['ratio']:.2f}", r["target"],
+                          "PASS" if r["pass"] else "FAIL"])
+            table.append(["d  ... p99", "us", r["native_p99"], r["mount_p99"], f"{r['ratio_p99']:.2f}", "-", ""])
+        else:
+            table.append([f"{r['workload']}  {r['name']}", r["unit"], r["native"], r["mount"], f"{r['ratio']:.2f}",
+                          r["target"], "PASS" if r["pass"] else "FAIL"])
+    C.print_table(["workload", "unit", "native", "mount", "mount/native", "target", ""], table)
+    print()
+    print("FUSE requests during the mount runs (count, mean daemon-side latency, bytes per READ/WRITE):")
+    for wl, reps in results.items():
+        print(f"  {wl}: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
+    detail = {"a": ("msyncs", "msync_p50_ms", "msync_max_ms", "segments"),
+              "b": ("fdatasyncs", "fdatasync_p50_ms", "fdatasync_max_ms"),
+              "c": ("pass_MBps", "resident_before",), "d": ("ops", "mean_us", "hits_under_20us", "resident_before")}
+    print("details (last repetition, native | mount):")
+    for wl, reps in results.items():
+        last = reps[-1]
+        n = {k: last["native"].get(k) for k in detail[wl]}
+        m = {k: last["mount"].get(k) for k in detail[wl]}
+        print(f"  {wl}: {json.dumps(n, default=str)} | {json.dumps(m, default=str)}")
+    sys.stdout.flush()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="base dir for the temp native/hot/mountpoint dirs (default $TMPDIR)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="duration of workloads a, b, d (default 10)")
+    ap.add_argument("--only", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                    help="also write machine-readable results (to FILE, or stdout when no FILE)")
+    ap.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE[,...]",
+                    help="passed to `tierfs mount -o`, e.g. -o mount.writeback_cache=false")
+    ap.add_argument("--bdi", action="append", default=[], metavar="KEY=VALUE[,...]",
+                    help="after mounting, write /sys/class/bdi/<mount>/KEY (kernel knobs tierfs does not set yet, "
+                         "e.g. --bdi strict_limit=0,max_ratio=20)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each native/mount pair N times; report medians")
+    ap.add_argument("--py-spy", metavar="DIR", help="record a py-spy speedscope profile of the daemon per mount run")
+    ap.add_argument("--py-spy-rate", type=int, default=200)
+    ap.add_argument("--perf", metavar="DIR", help="record `perf record -g` of the daemon per mount run (kernel+C)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (debugging)")
+    ap.add_argument("--tierfs-src", metavar="DIR",
+                    help="run the daemon from this source tree (prepended to PYTHONPATH), e.g. a `git archive` "
+                         "snapshot, to compare versions; default: the installed tierfs")
+    ap.add_argument("--segment-size", type=int, default=GiB)
+    ap.add_argument("--record-size", type=int, default=1024)
+    ap.add_argument("--flush-interval", type=float, default=0.5)
+    ap.add_argument("--cq-file-size", type=int, default=300_000 * 20)
+    ap.add_argument("--sync-interval", type=float, default=1.0)
+    ap.add_argument("--read-file-size", type=int, default=GiB)
+    ap.add_argument("--seq-block", type=int, default=MiB)
+    ap.add_argument("--seq-passes", type=int, default=1, help="timed passes over the file in workload c")
+    ap.add_argument("--warmup-max-passes", type=int, default=4,
+                    help="untimed reads of the c/d file before the runs, until the rate is steady")
+    ap.add_argument("--rand-block", type=int, default=4096)
+    ap.add_argument("--rand-max-ops", type=int, default=200_000)
+    ap.add_argument("--rand-evict-every", type=int, default=256,
+                    help="re-evict all copies every N random reads (untimed) so read-ahead never warms the cache")
+    ap.add_argument("--child", nargs=2, metavar=("WL", "PARAMS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.only = [w.strip() for w in args.only.split(",") if w.strip()]
+    bad = [w for w in args.only if w not in WORKLOADS]
+    if bad:
+        ap.error(f"--only: unknown workload(s) {bad}; choose from a,b,c,d")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        return child_main(*args.child)
+    C.install_signal_handlers()
+    env = None  # workload children run with the caller's environment
+    prof_dir = Path(args.py_spy).resolve() if args.py_spy else None
+    if prof_dir:
+        prof_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    with C.temp_base(args.dir, keep=args.keep) as base:
+        native, hot, mntp = base / "native", base / "hot", base / "mnt"
+        for p in (native, hot, mntp):
+            p.mkdir()
+        if os.stat(native).st_dev != os.stat(hot).st_dev:
+            raise SystemExit("native and hot dirs are on different filesystems")
+        files = {}
+        if {"c", "d"} & set(args.only):
+            # One file, two names: native/data/readfile is a hard link to hot/data/readfile, so the native and
+            # the mount runs read the very same disk blocks. A virtual disk's host-side cache then treats both
+            # alike; a warm-up pass (evicted from the guest afterwards) makes that state equal from the start.
+            C.log(f"writing a {args.read_file_size >> 20} MiB data file (hot, hard-linked into native) + warm-up...")
+            files = {"native": native / "data" / "readfile", "hot": hot / "data" / "readfile"}
+            C.write_data_file(files["hot"], args.read_file_size)
+            files["native"].parent.mkdir()
+            os.link(files["hot"], files["native"])
+            prev = 0.0
+            for i in range(args.warmup_max_passes):  # until the lower layers deliver a steady rate
+                t = time.perf_counter()
+                rate = C.read_file_once(files["native"]) / (time.perf_counter() - t) / 1e6
+                C.evict(files["native"])
+                C.log(f"warm-up pass {i + 1}: {rate:.0f} MB/s")
+                if prev and abs(rate - prev) / prev < 0.15:
+                    break
+                prev = rate
+            files["mount"] = mntp / "data" / "readfile"
+        with C.TierfsMount(hot, mntp, args.options, tierfs_src=args.tierfs_src) as mnt:
+            if args.bdi:
+                C.log(f"bdi settings applied: {C.set_bdi(mnt, args.bdi)}")
+            tuning = mnt.kernel_tuning()
+            C.log(f"mounted {hot} at {mntp} (daemon pid {mnt.pid}; {tuning})")
+            for wl in args.only:
+                results[wl] = [run_pair(wl, args, env, mnt, native, files, prof_dir, rep) for rep in range(args.repeat)]
+            tuning = mnt.kernel_tuning()
+    rows = [summarize(wl, reps) for wl, reps in results.items()]
+    print_report(rows, results, args.options, tuning, args.seconds, args.bdi)
+    if prof_dir:
+        print("\ndaemon profiles (py-spy, share of samples):")
+        for wl, reps in results.items():
+            for rep in reps:
+                pf = rep["mount"].get("profile")
+                if pf and Path(pf).exists():
+                    s = C.summarize_speedscope(Path(pf), top=12)
+                    rep["mount"]["profile_summary"] = s
+                    print(f"  {wl} ({pf}, {s['samples']:.0f} samples)\n    self:")
+                    for n, pct in s["self_pct"]:
+                        print(f"      {pct:5.1f}%  {n}")
+                    print("    inclusive:")
+                    for n, pct in s["inclusive_pct"]:
+                        print(f"      {pct:5.1f}%  {n}")
+    if args.perf:
+        print("\ndaemon CPU by symbol (perf, self time, kernel + user):")
+        for wl, reps in results.items():
+            for rep in reps:
+                pd = rep["mount"].get("perf_data")
+                if pd and Path(pd).exists():
+                    top = C.perf_top_symbols(Path(pd), top=20)
+                    rep["mount"]["perf_top"] = top
+                    print(f"  {wl} ({pd})")
+                    for ln in top:
+                        print("    " + ln.strip())
+    if args.json:
+        doc = {"seconds": args.seconds, "options": args.options, "bdi": args.bdi, "tierfs_src": args.tierfs_src, "kernel": tuning,
+               "summary": rows,
+               "runs": results}
+        text = json.dumps(doc, indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+            C.log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
