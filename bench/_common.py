@@ -184,6 +184,24 @@ def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None
     return json.loads(lines[-1])
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """user+system CPU of a whole process (all threads) so far, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def children_cpu_seconds() -> float:
+    """user+system CPU of all reaped children of this process so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 # ------------------------------------------------------------------------------------------------ the mount
 
 

@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import struct
 import sys
 import time
@@ -238,22 +239,26 @@ def child_main(wl: str, params_json: str) -> int:
 
 def _rm_tree_contents(path: Path) -> None:
     """Remove a workload's files (through the mount when it is the mount, so the daemon sees the unlinks)."""
-    import shutil
-
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _work_of(wl: str, res: dict) -> float:
+    """What a run moved, for CPU-per-work figures: bytes for a/c, operations for b/d."""
+    return float({"a": res.get("durable_bytes"), "b": res.get("writes"), "c": res.get("bytes"),
+                  "d": res.get("ops")}[wl] or 0)
+
+
 def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsMount, native: Path,
              files: dict[str, Path], prof_dir: Path | None, rep: int) -> dict:
-    """One workload: native run, then mount run, each in a fresh child. Returns both results + FUSE stats."""
+    """One workload on both sides, each in a fresh child (native first on even repetitions, mount first on odd).
+    Returns both results, plus FUSE request stats and CPU used by the daemon and by the workload child."""
     out: dict = {}
     # alternate which side goes first across repetitions, so neither always inherits the other's writeback
     for side in (("native", "mount") if rep % 2 == 0 else ("mount", "native")):
         root = native if side == "native" else mnt.mnt
         params: dict = {"seconds": args.seconds}
         # a and b use the broker's layout at the store root, so path classification in the daemon is exercised
-        work = root / {"a": "commitlog", "b": "consumequeue"}.get(wl, "data")
         if wl == "a":
             params.update(dir=str(root), segment_size=args.segment_size, record_size=args.record_size,
                           flush_interval=args.flush_interval)
@@ -272,6 +277,7 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsM
         timeout = args.seconds * 6 + 300
         C.syncfs(native)  # start each run with no dirty data from the previous one (flush only, no drop)
         before = mnt.stats() if side == "mount" else None
+        cpu0, dcpu0 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
         if side == "mount" and (prof_dir is not None or args.perf):
             with contextlib.ExitStack() as stack:
                 if prof_dir is not None:
@@ -282,17 +288,26 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsM
                     pdata.parent.mkdir(parents=True, exist_ok=True)
                     stack.enter_context(C.perf_record(mnt.pid, pdata))
                 res = C.run_child(argv, timeout, env)
+                cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
             if prof_dir is not None:
                 res["profile"] = str(prof)
             if args.perf:
                 res["perf_data"] = str(pdata)
         else:
             res = C.run_child(argv, timeout, env)
+            cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+        res["client_cpu_s"] = round(cpu1 - cpu0, 3)
+        work = _work_of(wl, res)
         if side == "mount":
             res["fuse"] = C.stats_delta(before, mnt.stats())
+            res["daemon_cpu_s"] = round(dcpu1 - dcpu0, 3)
+            # CPU the daemon spent per unit of work: ms per GB (a, c) or us per operation (b, d)
+            if work:
+                res["daemon_cpu_per_work"] = round((dcpu1 - dcpu0) * (1e12 / work if wl in "ac" else 1e6 / work), 2)
+                res["daemon_cpu_unit"] = "ms/GB" if wl in "ac" else "us/op"
         if wl in ("a", "b"):
             t = time.perf_counter()
-            _rm_tree_contents(work)
+            _rm_tree_contents(root / {"a": "commitlog", "b": "consumequeue"}[wl])
             C.syncfs(native)
             res["cleanup_s"] = round(time.perf_counter() - t, 2)
         out[side] = res
@@ -302,14 +317,18 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsM
 
 
 def summarize(wl: str, reps: list[dict]) -> dict:
+    """Medians over repetitions; the ratio is the median of the paired (back-to-back) per-repetition ratios."""
     nat = C.median(r["native"]["value"] for r in reps)
     mnt = C.median(r["mount"]["value"] for r in reps)
+    ratios = [r["mount"]["value"] / r["native"]["value"] for r in reps if r["native"]["value"]]
     row = {"workload": wl, "name": WORKLOADS[wl], "unit": reps[0]["native"]["unit"], "native": nat, "mount": mnt,
-           "ratio": mnt / nat if nat else float("nan")}
+           "ratio": C.median(ratios), "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None),
+           "daemon_cpu_per_work": C.median(r["mount"].get("daemon_cpu_per_work", float("nan")) for r in reps),
+           "daemon_cpu_unit": reps[0]["mount"].get("daemon_cpu_unit", "")}
     if wl == "d":
         row["native_p99"] = C.median(r["native"]["p99_us"] for r in reps)
         row["mount_p99"] = C.median(r["mount"]["p99_us"] for r in reps)
-        row["ratio_p99"] = row["mount_p99"] / row["native_p99"]
+        row["ratio_p99"] = C.median(r["mount"]["p99_us"] / r["native"]["p99_us"] for r in reps)
         row["target"] = "p50 <= 2x"
         row["pass"] = row["ratio"] <= 2.0
     else:
@@ -326,27 +345,44 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
           f"{'; --bdi ' + ','.join(bdi) if bdi else ''}; "
           f"kernel: {', '.join(f'{k}={v}' for k, v in tuning.items()) or '?'})")
     table = []
+
+    def rng(r: dict) -> str:
+        lo, hi = r.get("ratio_min"), r.get("ratio_max")
+        return f"{lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and lo != hi else "-"
+
+    def dcpu(r: dict) -> str:
+        v = r.get("daemon_cpu_per_work")
+        return f"{v:,.1f} {r['daemon_cpu_unit']}" if v == v and v is not None else "-"
+
     for r in rows:
+        verdict = "PASS" if r["pass"] else "FAIL"
         if r["workload"] == "d":
-            table.append([f"d  {r['name']} p50", "us", r["native"], r["mount"], f"{r['ratio']:.2f}", r["target"],
-                          "PASS" if r["pass"] else "FAIL"])
-            table.append(["d  ... p99", "us", r["native_p99"], r["mount_p99"], f"{r['ratio_p99']:.2f}", "-", ""])
+            table.append([f"d  {r['name']} p50", "us", r["native"], r["mount"], f"{r['ratio']:.2f}", rng(r),
+                          r["target"], verdict, dcpu(r)])
+            table.append(["d  ... p99", "us", r["native_p99"], r["mount_p99"], f"{r['ratio_p99']:.2f}", "-", "-", "",
+                          ""])
         else:
             table.append([f"{r['workload']}  {r['name']}", r["unit"], r["native"], r["mount"], f"{r['ratio']:.2f}",
-                          r["target"], "PASS" if r["pass"] else "FAIL"])
-    C.print_table(["workload", "unit", "native", "mount", "mount/native", "target", ""], table)
+                          rng(r), r["target"], verdict, dcpu(r)])
+    C.print_table(["workload", "unit", "native", "mount", "mount/native", "range", "target", "", "daemon CPU"],
+                  table)
     print()
     print("FUSE requests during the mount runs (count, mean daemon-side latency, bytes per READ/WRITE):")
     for wl, reps in results.items():
         print(f"  {wl}: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
     detail = {"a": ("msyncs", "msync_p50_ms", "msync_max_ms", "segments"),
               "b": ("fdatasyncs", "fdatasync_p50_ms", "fdatasync_max_ms"),
-              "c": ("pass_MBps", "resident_before",), "d": ("ops", "mean_us", "hits_under_20us", "resident_before")}
+              "c": ("pass_MBps", "resident_before"), "d": ("ops", "mean_us", "hits_under_20us", "resident_before")}
+
+    def rounded(v: object) -> object:
+        return round(v, 2) if isinstance(v, float) else v
+
     print("details (last repetition, native | mount):")
     for wl, reps in results.items():
         last = reps[-1]
-        n = {k: last["native"].get(k) for k in detail[wl]}
-        m = {k: last["mount"].get(k) for k in detail[wl]}
+        keys = detail[wl] + ("client_cpu_s",)
+        n = {k: rounded(last["native"].get(k)) for k in keys}
+        m = {k: rounded(last["mount"].get(k)) for k in keys + ("daemon_cpu_s",)}
         print(f"  {wl}: {json.dumps(n, default=str)} | {json.dumps(m, default=str)}")
     sys.stdout.flush()
 
@@ -398,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.child:
         return child_main(*args.child)
+    WORKLOADS["a"] = f"CommitLog mmap append {args.record_size} B, {args.segment_size >> 20} MiB segs, msync/{args.flush_interval * 1000:.0f}ms"
+    WORKLOADS["b"] = f"ConsumeQueue 20 B write + fdatasync/{args.sync_interval:g}s"
+    WORKLOADS["c"] = f"seq read {args.seq_block >> 10} KiB, uncached {args.read_file_size >> 20} MiB file"
+    WORKLOADS["d"] = f"random read {args.rand_block >> 10} KiB, uncached"
     C.install_signal_handlers()
     env = None  # workload children run with the caller's environment
     prof_dir = Path(args.py_spy).resolve() if args.py_spy else None

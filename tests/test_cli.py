@@ -47,6 +47,55 @@ def assert_refused(r: subprocess.CompletedProcess, *needles: str, hot: Path | No
         assert not (hot / ".tierfs").exists(), os.listdir(hot / ".tierfs")
 
 
+# A matrix of refusals costs one interpreter start instead of one per case: every argv goes through
+# tierfs.cli.main() (what `python -m tierfs` runs as sys.exit(main())) in one fresh process, stdout/stderr captured
+# per case. test_refusals_from_the_real_process checks that a real `python -m tierfs` process exits the same way.
+BATCH_DRIVER = r"""
+import contextlib, io, json, sys
+from tierfs.cli import main
+results = {}
+for case_id, argv in json.load(sys.stdin).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    results[case_id] = {"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+json.dump(results, sys.stdout)
+"""
+
+
+class Refusals:
+    """Cases registered by id, each with its own empty hot dir and mountpoint, run together on first access."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.argv: dict[str, list[str]] = {}
+        self.dirs: dict[str, tuple[Path, Path]] = {}
+        self._results: dict[str, subprocess.CompletedProcess] | None = None
+
+    def add(self, case_id: str, make_argv) -> None:
+        d = self.base / f"case{len(self.argv)}"
+        hot, mnt = d / "hot", d / "mnt"
+        hot.mkdir(parents=True)
+        mnt.mkdir()
+        self.dirs[case_id] = (hot, mnt)
+        self.argv[case_id] = [str(a) for a in make_argv(d, hot, mnt)]
+
+    def __getitem__(self, case_id: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if self._results is None:
+            r = run([sys.executable, "-c", BATCH_DRIVER], input=json.dumps(self.argv), timeout=120,
+                    env=daemon_env(), check=True)
+            self._results = {k: subprocess.CompletedProcess(["tierfs", *self.argv[k]], v["returncode"], v["stdout"],
+                                                            v["stderr"]) for k, v in json.loads(r.stdout).items()}
+        return self._results[case_id], self.dirs[case_id][0]
+
+    def cleanup(self) -> None:
+        for hot, mnt in self.dirs.values():  # only does something if a refusal regressed into a mount
+            Mount(hot, mnt).cleanup()
+
+
 # ------------------------------------------------------------------------------------------ configuration
 
 
@@ -79,21 +128,45 @@ BAD_OVERRIDES = [
 ]
 
 
+NAN_OVERRIDES = ["mount.attr_timeout=nan", "cache.high_watermark=nan"]
+BAD_USAGE = [["mount"], ["mount", "only-one"], ["frobnicate"], [], ["status"], ["mount", "a", "b", "--bogus"]]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    cases = Refusals(tmp_path_factory.mktemp("refusals"))
+    for override, _ in BAD_OVERRIDES:
+        cases.add(f"o:{override}", lambda d, hot, mnt, o=override: ["mount", hot, mnt, "-o", o])
+    for override in NAN_OVERRIDES:
+        cases.add(f"o:{override}", lambda d, hot, mnt, o=override: ["mount", hot, mnt, "-o", o])
+    for i, (text, _) in enumerate(BAD_TOML):
+        def toml_case(d, hot, mnt, text=text):
+            (d / "tierfs.toml").write_text(text)
+            return ["mount", hot, mnt, "--config", d / "tierfs.toml"]
+        cases.add(f"toml{i}", toml_case)
+    cases.add("missing-config", lambda d, hot, mnt: ["mount", hot, mnt, "--config", d / "nope.toml"])
+    for argv in BAD_USAGE:
+        cases.add("usage:" + " ".join(argv), lambda d, hot, mnt, a=argv: a)
+    yield cases
+    cases.cleanup()
+
+
 @pytest.mark.parametrize("override,needles", BAD_OVERRIDES, ids=[o for o, _ in BAD_OVERRIDES])
-def test_bad_override_exits_2_naming_key_value_and_allowed(dirs, override, needles):
-    hot, mnt = dirs
-    assert_refused(tierfs("mount", hot, mnt, "-o", override), *needles, hot=hot)
+def test_bad_override_exits_2_naming_key_value_and_allowed(refusals, override, needles):
+    r, hot = refusals[f"o:{override}"]
+    assert_refused(r, *needles, hot=hot)
 
 
-@pytest.mark.parametrize("override", ["mount.attr_timeout=nan", "cache.high_watermark=nan"])
-def test_nan_is_refused(dirs, override):
-    hot, mnt = dirs
+@pytest.mark.parametrize("override", NAN_OVERRIDES)
+def test_nan_is_refused(refusals, override):
+    """NaN passes every `<` / `>` range check; libfuse would turn a NaN timeout into an endless cache."""
     key = override.partition("=")[0]
     from tierfs.config import SCHEMA
 
     if key not in {k.name for k in SCHEMA}:
         pytest.skip(f"{key} is not in this version's schema")
-    assert_refused(tierfs("mount", hot, mnt, "-o", override), f"'{key}'", "invalid value 'nan'", hot=hot)
+    r, hot = refusals[f"o:{override}"]
+    assert_refused(r, f"'{key}'", "invalid value 'nan'", hot=hot)
 
 
 BAD_TOML = [
@@ -111,29 +184,38 @@ BAD_TOML = [
 ]
 
 
-@pytest.mark.parametrize("text,needles", BAD_TOML, ids=[f"toml{i}" for i in range(len(BAD_TOML))])
-def test_bad_config_file_exits_2(dirs, tmp_path, text, needles):
-    hot, mnt = dirs
-    cfg = tmp_path / "tierfs.toml"
-    cfg.write_text(text)
-    r = tierfs("mount", hot, mnt, "--config", cfg)
+@pytest.mark.parametrize("i", range(len(BAD_TOML)), ids=[f"toml{i}" for i in range(len(BAD_TOML))])
+def test_bad_config_file_exits_2(refusals, i):
+    r, hot = refusals[f"toml{i}"]
+    needles = BAD_TOML[i][1]
     assert_refused(r, *needles, hot=hot)
     if "TOML" in needles[0]:
-        assert str(cfg) in r.stderr
+        assert str(hot.parent / "tierfs.toml") in r.stderr  # names the file
 
 
-def test_missing_config_file_exits_2(dirs, tmp_path):
-    hot, mnt = dirs
-    missing = tmp_path / "nope.toml"
-    assert_refused(tierfs("mount", hot, mnt, "--config", missing), f"config file '{missing}' does not exist",
-                   hot=hot)
+def test_missing_config_file_exits_2(refusals):
+    r, hot = refusals["missing-config"]
+    assert_refused(r, f"config file '{hot.parent / 'nope.toml'}' does not exist", hot=hot)
 
 
-@pytest.mark.parametrize("argv", [["mount"], ["mount", "only-one"], ["frobnicate"], [], ["status"],
-                                  ["mount", "a", "b", "--bogus"]], ids=lambda a: " ".join(a) or "none")
-def test_bad_usage_exits_2_with_usage(argv):
-    r = tierfs(*argv)
+@pytest.mark.parametrize("argv", BAD_USAGE, ids=lambda a: " ".join(a) or "none")
+def test_bad_usage_exits_2_with_usage(refusals, argv):
+    r, _ = refusals["usage:" + " ".join(argv)]
     assert r.returncode == 2 and "usage: tierfs" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case_id,make_argv", [
+    ("o:mount.max_tasks=abc", lambda d, hot, mnt: ["mount", hot, mnt, "-o", "mount.max_tasks=abc"]),
+    ("toml0", lambda d, hot, mnt: ["mount", hot, mnt, "--config", d / "tierfs.toml"]),
+    ("usage:frobnicate", lambda d, hot, mnt: ["frobnicate"]),
+], ids=["override", "toml", "usage"])
+def test_refusals_from_the_real_process(refusals, case_id, make_argv):
+    """The batch above runs main() in-process; a real `python -m tierfs` must exit and print the same."""
+    batch, hot = refusals[case_id]
+    argv = make_argv(hot.parent, hot, hot.parent / "mnt")
+    r = tierfs(*argv)
+    assert (r.returncode, r.stderr.replace("__main__.py", "tierfs"), r.stdout) == \
+        (2, batch.stderr.replace("__main__.py", "tierfs"), batch.stdout)
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -214,6 +296,8 @@ def test_dead_mount_is_refused_with_the_fix(mount_store):
 
 @requires_fuse
 def test_dead_mount_is_recognised_while_attributes_are_cached(mount_store):
+    """Right after a crash the kernel still answers stat(MNT) from its attribute cache; the refusal must still
+    name the dead mount and its fix (not 'already a mount; tierfs umount')."""
     m = mount_store(options=["mount.attr_timeout=30"])
     os.stat(m.mnt)
     os.kill(m.pid, signal.SIGKILL)
@@ -238,17 +322,13 @@ def test_status_text_and_json(mounted):
     assert d["statfs_capacity_bytes"] > 0
 
 
-def test_status_of_a_plain_dir_fails_with_message(tmp_path):
-    r = tierfs("status", tmp_path)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert f"{tmp_path} is not a tierfs mount" in r.stderr
-    r = tierfs("status", tmp_path / "missing", "--json")
-    assert r.returncode != 0 and "is not a tierfs mount" in r.stderr and r.stdout == ""
-
-
-def test_status_of_a_plain_dir_exits_2_like_umount(tmp_path):
-    assert tierfs("umount", tmp_path).returncode == 2
-    assert tierfs("status", tmp_path).returncode == 2
+def test_status_and_umount_of_a_plain_dir_exit_2(tmp_path):
+    for cmd in (["status"], ["status", "--json"], ["umount"]):
+        r = tierfs(*cmd, tmp_path)
+        assert_refused(r, f"{tmp_path} is not a tierfs mount")
+        assert r.stdout == ""
+    missing = tmp_path / "missing"
+    assert_refused(tierfs("status", missing), f"{missing} is not a tierfs mount")
 
 
 @requires_fuse
@@ -275,11 +355,6 @@ os.write(fd2, b"via-write")      # never fsync'ed
 """
 
 
-def test_umount_of_a_plain_dir_exits_2(tmp_path):
-    r = tierfs("umount", tmp_path)
-    assert r.returncode == 2 and f"{tmp_path} is not a tierfs mount" in r.stderr
-
-
 @requires_fuse
 def test_umount_flushes_and_daemon_exits_0(mounted):
     run_python(FLUSH_WRITER, cwd=mounted.mnt)
@@ -298,13 +373,16 @@ def test_umount_flushes_and_daemon_exits_0(mounted):
 
 
 @requires_fuse
-def test_umount_of_a_crashed_daemons_mount(mount_store):
+def test_umount_of_a_crashed_daemons_mount_clears_it(mount_store):
     m = mount_store()
     os.kill(m.pid, signal.SIGKILL)
     m.wait_exit()
     r = tierfs("umount", m.mnt)
-    assert "Traceback" not in r.stderr, r.stderr
-    assert not m.is_mounted(any_state=True) or "fusermount3 -uz" in r.stderr, r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"the daemon of {m.mnt} had crashed; cleared the dead mount" in r.stderr
+    assert not m.is_mounted(any_state=True)
+    m.mount()  # and it mounts again at once
+    assert m.status()["pid"] == m.pid
 
 
 # An init (PID 1) that reaps orphans late, like some container inits: the exited daemon is a zombie meanwhile.
@@ -325,6 +403,8 @@ while True:
 
 @requires_fuse
 def test_umount_does_not_wait_for_the_zombie_to_be_reaped(tmp_path):
+    """The daemonised tierfs is an orphan; once it exits it is a zombie until PID 1 reaps it. umount must treat
+    it as gone (a never-reaping init would otherwise make every umount wait 60 s and fail)."""
     hot, mnt = tmp_path / "hot", tmp_path / "mnt"
     hot.mkdir()
     mnt.mkdir()

@@ -462,10 +462,18 @@ def test_syncfs_succeeds(mounted):
 
 
 def test_syncfs_after_unlink_of_closed_file(mounted):
-    """The broker deletes segments by plain unlink after close (§3.5); that must not poison syncfs/umount."""
-    mounted.path("00000000000000000000").write_bytes(b"segment")
-    os.unlink(mounted.path("00000000000000000000"))
+    """The broker deletes segments by plain unlink after close (§3.5). The kernel then flushes the unlinked
+    inode's ctime with a SETATTR that has no file handle; answering it ENOENT would be recorded as a writeback
+    error of the whole mount and fail the next syncfs()."""
+    for name in ("00000000000000000000", "lock"):
+        mounted.path(name).write_bytes(b"segment")
+        os.unlink(mounted.path(name))
+        assert errno.errorcode.get(_syncfs(mounted.mnt), "OK") == "OK"
+    mounted.path("keep").write_bytes(b"k")  # a hard-linked inode keeps its other name
+    os.link(mounted.path("keep"), mounted.path("alias"))
+    os.unlink(mounted.path("keep"))
     assert errno.errorcode.get(_syncfs(mounted.mnt), "OK") == "OK"
+    assert mounted.path("alias").read_bytes() == b"k"
 
 
 def test_directory_with_10000_entries(mounted):
@@ -689,24 +697,24 @@ def test_other_users_are_refused_without_allow_other(mounted):
 
 
 UMASK_CREATE = r"""
-import os, sys
+import os, stat, sys
 os.umask(int(sys.argv[1], 8))
-os.close(os.open(sys.argv[2], os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o666))
-os.mkdir(sys.argv[3], 0o777)
+os.close(os.open("file", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o666))
+os.mkdir("dir", 0o777)
+os.mknod("node", 0o666 | stat.S_IFREG)
 """
 
 
-@pytest.mark.parametrize("umask,fmode,dmode", [("027", 0o640, 0o750), ("000", 0o666, 0o777), ("077", 0o600, 0o700)])
-def test_umask_applied_exactly_once(mounted, umask, fmode, dmode):
-    run_python(UMASK_CREATE, umask, "file", "dir", cwd=mounted.mnt)
-    assert stat.S_IMODE(os.stat(mounted.path("file")).st_mode) == fmode
-    assert stat.S_IMODE(os.stat(mounted.path("dir")).st_mode) == dmode
-    assert stat.S_IMODE(mounted.hot_path("file").stat().st_mode) == fmode
-    assert stat.S_IMODE(mounted.hot_path("dir").stat().st_mode) == dmode
-    # mknod goes through its own handler
-    run_python("import os, stat; os.umask(int('%s', 8)); os.mknod('node', 0o666 | stat.S_IFREG)" % umask,
-               cwd=mounted.mnt)
-    assert stat.S_IMODE(os.stat(mounted.path("node")).st_mode) == fmode
+def test_umask_applied_exactly_once(mounted):
+    """The daemon runs with umask 0 and applies the caller's umask once (not twice, not its own)."""
+    for umask, fmode, dmode in (("027", 0o640, 0o750), ("000", 0o666, 0o777), ("077", 0o600, 0o700),
+                                ("002", 0o664, 0o775)):
+        d = mounted.path(f"umask{umask}")
+        d.mkdir()
+        run_python(UMASK_CREATE, umask, cwd=d)
+        for name, mode in (("file", fmode), ("dir", dmode), ("node", fmode)):
+            assert stat.S_IMODE(os.stat(d / name).st_mode) == mode, (umask, name)
+            assert stat.S_IMODE(mounted.hot_path(d.name, name).stat().st_mode) == mode, (umask, name)
 
 
 def test_statfs_default_mirrors_hot_dir(mounted):
