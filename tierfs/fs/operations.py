@@ -183,8 +183,8 @@ class TierOperations(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.ENOENT)
 
     def _chown_new(self, path: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
-        if not self._is_root:
-            return
+        if not self._is_root or (ctx.uid == os.geteuid() and ctx.gid == os.getegid()):
+            return  # already owned by the caller: skip the syscall (a third of a create's cost)
         if fd is not None:
             os.fchown(fd, ctx.uid, ctx.gid)
         else:
