@@ -17,9 +17,17 @@ Uncached = posix_fadvise(DONTNEED) on the native name, the hot (backing) name AN
 mount, checked with mincore; the page cache is never dropped globally. For c and d the native name is a hard
 link to the hot file, so both runs read the same blocks (a VM's host cache cannot favour one side).
 
-    .venv/bin/python bench/hot_path.py --seconds 8
-    .venv/bin/python bench/hot_path.py --only a,b -o mount.writeback_cache=false --json out.json
-    .venv/bin/python bench/hot_path.py --only c --py-spy /tmp/prof      # profile the daemon on the mount runs
+Every mount run also reports the FUSE requests it caused (count, daemon-side mean latency, bytes per READ/WRITE,
+from MNT/.tierfs/stats) and the daemon's CPU time per unit of work, which is steadier than throughput on a
+shared or virtualised host. With --repeat N the pairs alternate which side goes first and the ratio shown is the
+median of the paired ratios, with its range.
+
+    .venv/bin/python bench/hot_path.py --seconds 8                  # all four, defaults
+    .venv/bin/python bench/hot_path.py --seconds 8 --repeat 3 --json out.json
+    .venv/bin/python bench/hot_path.py --only a,b -o mount.writeback_cache=false
+    .venv/bin/python bench/hot_path.py --only c -o mount.read_ahead_kb=4096 --bdi strict_limit=0
+    .venv/bin/python bench/hot_path.py --only c --py-spy /tmp/prof --perf /tmp/perf   # profile the daemon
+    .venv/bin/python bench/hot_path.py --tierfs-src /tmp/snapshot   # daemon from another tree (A/B of versions)
 """
 
 from __future__ import annotations
