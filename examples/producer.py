@@ -387,7 +387,6 @@ class Producer:
 
     # ---- startup / shutdown ----
     def start(self) -> int:
-        a = self.a
         # DefaultMessageStore ctor: mkdirs, open lock (no lock yet).
         for d in (self.root, self.root / "commitlog", self.root / "consumequeue"):
             d.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mountutil import evict, wait_for
-from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
+from test_store_mount import PRODUCER, SMALL, consume
 
 TIER_OPTS = ("tiering.enabled=true,cache.max_bytes=2MiB,cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB,"
              "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,broker.max_hash_slot_num=500,"

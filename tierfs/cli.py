@@ -25,7 +25,7 @@ def _fail(msg: str, code: int = 2) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from tierfs.fs.mount import MountError, MountPaths, check_paths, serve, wait_until_mounted
+    from tierfs.fs.mount import MountError, check_paths, serve, wait_until_mounted
 
     try:
         config = Config.load(args.config, args.options or ())

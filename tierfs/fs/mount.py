@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -280,6 +279,3 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
 
-
-def read_json_status(mountpoint: Path) -> dict:
-    return json.loads((mountpoint / ".tierfs" / "status.json").read_text())

@@ -212,14 +212,20 @@ class PosixObjectStore(ObjectStore):
         self._fsync_dir(os.path.dirname(path))
         return ObjectInfo(key, size, _etag(crc, size), os.stat(path).st_mtime, dict(meta))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview,
-            metadata: Mapping[str, str] | None = None) -> ObjectInfo:
-        path = self._path(key)
+    def _stage_bytes(self, path: str, key: str, data: bytes | bytearray | memoryview,
+                     metadata: Mapping[str, str] | None) -> tuple[str, int, int, dict[str, str]]:
+        """Write in-memory content (plus its crc32c metadata) to a temp file next to `path`."""
         view = memoryview(data).cast("B")
         crc = _crc(view)
         meta = merge_crc32c(key, metadata, crc)
+        tmp, size, crc = self._stage(path, key, lambda fd: (_write_all(fd, view), crc), lambda c: meta)
+        return tmp, size, crc, meta
+
+    def put(self, key: str, data: bytes | bytearray | memoryview,
+            metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        path = self._path(key)
         with self._errors(key, "put"):
-            tmp, size, crc = self._stage(path, key, lambda fd: (_write_all(fd, view), crc), lambda c: meta)
+            tmp, size, crc, meta = self._stage_bytes(path, key, data, metadata)
             return self._publish(tmp, path, key, size, crc, meta)
 
     def put_file(self, key: str, path: str | os.PathLike, offset: int = 0, length: int | None = None, *,
@@ -262,15 +268,12 @@ class PosixObjectStore(ObjectStore):
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview,
                       metadata: Mapping[str, str] | None = None) -> bool:
         path = self._path(key)
-        view = memoryview(data).cast("B")
-        crc = _crc(view)
-        meta = merge_crc32c(key, metadata, crc)
         with self._errors(key, "put_if_absent"):
             if os.path.lexists(path):
                 if os.path.isdir(path):
                     raise IsADirectoryError(errno.EISDIR, "is a directory", path)
                 return False
-            tmp, _, _ = self._stage(path, key, lambda fd: (_write_all(fd, view), crc), lambda c: meta)
+            tmp, _, _, _ = self._stage_bytes(path, key, data, metadata)
             try:
                 os.link(tmp, path)
             except FileExistsError:

@@ -20,7 +20,7 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -78,7 +78,6 @@ class EngineStats:
     rewrites: int = 0
     identical_rewrites: int = 0
     last_error: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -508,7 +507,7 @@ class Engine:
         for first, n in self._runs(e, todo, 8):
             events += self._start_fetch(e, first, n, prefetch=False)
         with trio.move_on_at(deadline) as scope:
-            for b, ev in events:
+            for _, ev in events:
                 await ev.wait()
         if scope.cancelled_caught:
             raise ReadFailed(f"{e.path}: object store did not answer within "
@@ -622,13 +621,8 @@ class Engine:
         index header at shutdown, BLANK after a crash); otherwise re-materialises the file as HOT, gen+1."""
         end = min(off + len(data), e.size)
         deadline = trio.current_time() + float(self.config["objectstore.read_timeout_seconds"])
-        if off < end:
-            for _ in range(8):
-                missing = self._needs_fetch(e, off, end)
-                if not missing:
-                    break
-                await self._ensure(e, missing, deadline)
-            if e.state is State.TIERED and off + len(data) <= e.size and not self._needs_fetch(e, off, end):
+        if off < end and await self._make_resident(e, off, end, deadline):
+            if e.state is State.TIERED and off + len(data) <= e.size:
                 if os.pread(self._fd(e), len(data), off) == bytes(data):
                     self.stats.identical_rewrites += 1
                     return False
@@ -636,12 +630,7 @@ class Engine:
             return True
         log.info("write into tiered %s at %d+%d: re-materialising (gen %d -> %d)", e.path, off, len(data),
                  e.generation, e.generation + 1)
-        for _ in range(8):
-            missing = [b for b in range(e.nblocks) if not e.is_resident(b)]
-            if not missing:
-                break
-            await self._ensure(e, missing, deadline + 600)
-        if any(not e.is_resident(b) for b in range(e.nblocks)):
+        if not await self._make_resident(e, 0, e.size, deadline + 600):
             raise ReadFailed(f"{e.path}: could not re-materialise for a write")
         fd = self._fd(e)
         await trio.to_thread.run_sync(os.fdatasync, fd)
@@ -658,6 +647,18 @@ class Engine:
         await self._db(self.catalog.queue_deletes, old_keys, time.time() + float(self.config["delete.grace_seconds"]))
         self.stats.rewrites += 1
         return True
+
+    async def _make_resident(self, e: Entry, off: int, end: int, deadline: float) -> bool:
+        """Fetch until [off, end) is resident; evictions can race a fetch, so retry a few times. True once
+        nothing is missing, or once a concurrent rewrite made the file HOT (then it is all local anyway)."""
+        for _ in range(8):
+            if e.state is not State.TIERED:
+                return True
+            missing = self._needs_fetch(e, off, end)
+            if not missing:
+                return True
+            await self._ensure(e, missing, deadline)
+        return e.state is not State.TIERED or not self._needs_fetch(e, off, end)
 
     # ------------------------------------------------------------------ eviction
 
