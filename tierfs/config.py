@@ -165,6 +165,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("upload.verify", "choice", "full",
         "full: read every uploaded object back and check crc32c; head: check sizes only.", choices=("full", "head")),
     Key("upload.retry_max_seconds", "float", 60.0, "Longest backoff between upload retries.", minimum=0.1),
+    Key("upload.bandwidth_bytes_per_second", "size", 0,
+        "Cap on upload bandwidth shared by all uploaders (so tiering never starves the broker's replication "
+        "link). 0: unlimited.", minimum=0),
     Key("delete.grace_seconds", "float", 300.0,
         "Objects of deleted or replaced segments are kept this long (set days to keep deleted segments).",
         minimum=0),
@@ -187,6 +190,34 @@ SCHEMA: tuple[Key, ...] = (
     Key("statfs.capacity_bytes", "size", 0,
         "Capacity reported by statfs (the broker's disk-ratio retention reads it). 0: the hot dir's own size.",
         minimum=0),
+    # --- catalog snapshots and the writer lease ----------------------------------------------------
+    Key("snapshot.interval_seconds", "float", 300.0,
+        "Period of catalog snapshots to <store-id>/meta/ (also taken at unmount), for read-only mounts "
+        "from the bucket. 0: only at unmount.", minimum=0),
+    Key("lease.ttl_seconds", "float", 120.0,
+        "The writer lease object expires this long after its last renewal; a writable mount of the same store "
+        "id elsewhere is refused until then.", minimum=5),
+    # --- compaction: the PySpark pipeline ------------------------------------------------------------
+    Key("compaction.enabled", "bool", True, "The daemon schedules the Spark pipeline (one job at a time)."),
+    Key("compaction.interval_seconds", "float", 3600.0, "Period of scheduled pipeline runs.", minimum=1),
+    Key("compaction.min_age_seconds", "float", 3600.0,
+        "Only segments tiered at least this long ago are compacted and archived.", minimum=0),
+    Key("compaction.stages", "str", "segments,index,archive",
+        "Stages the scheduled job runs: any of segments (lz4c), index (.cidx sidecars), archive (Parquet)."),
+    Key("compaction.spark_submit", "path", "",
+        "spark-submit to launch jobs with. Empty: `python -m tierfs.spark` (PySpark from the venv)."),
+    Key("objectstore.posix_shared", "bool", False,
+        "The file:// object store is shared storage every Spark executor sees at the same path (NFS). "
+        "Without it, a file:// store is refused for a non-local spark.master."),
+    Key("archive.retention", "str", "",
+        "Per-topic retention of the Parquet archive: TOPIC=DAYS,...,*=DAYS (days after the message date). "
+        "Empty: keep forever."),
+    Key("spark.master", "str", "local[*]",
+        "Spark master for pipeline jobs. Any other spark.* key is passed through to the SparkSession."),
+    # --- metrics -------------------------------------------------------------------------------------
+    Key("metrics.listen", "str", "",
+        "HOST:PORT for a Prometheus HTTP listener (e.g. 127.0.0.1:9464). Empty: off; /.tierfs/metrics "
+        "always serves the same text."),
 )
 
 _BY_NAME = {k.name: k for k in SCHEMA}
@@ -219,27 +250,39 @@ class Config:
 
     def set(self, name: str, raw: Any) -> None:
         key = _BY_NAME.get(name)
+        if key is None and name.startswith("spark.") and len(name) > 6:
+            self._values[name] = _toml_scalar(name, raw)  # any Spark setting passes through to the job
+            return
         if key is None:
             raise ConfigError(f"unknown config key '{name}'.{_suggest(name)}")
-        self._values[name] = key.parse(raw)
+        value = key.parse(raw)
+        check = _CHECKS.get(name)
+        if check is not None:
+            check(key, value)
+        self._values[name] = value
+
+    def spark_conf(self) -> dict[str, str]:
+        """Every spark.* setting (spark.master included), as strings, for the SparkSession builder."""
+        return {k: _spark_str(v) for k, v in self._values.items() if k.startswith("spark.")}
 
     def __getitem__(self, name: str) -> Any:
         return self._values[name]
 
     def as_dict(self, redact: bool = True) -> dict[str, Any]:
-        return {k.name: ("<redacted>" if (redact and k.secret and self._values[k.name]) else self._values[k.name])
-                for k in SCHEMA}
+        out = {k.name: ("<redacted>" if (redact and k.secret and self._values[k.name]) else self._values[k.name])
+               for k in SCHEMA}
+        out.update((k, v) for k, v in self._values.items() if k not in out)  # spark.* pass-through
+        return out
 
     def render_toml(self, redact: bool = True) -> str:
         """The effective configuration as TOML, grouped by section (what /.tierfs/config shows)."""
         lines: list[str] = [f"# effective configuration (source: {self.source})"]
-        section = None
+        sections: dict[str, list[str]] = {}
         for name, value in self.as_dict(redact).items():
             sec, _, leaf = name.rpartition(".")
-            if sec != section:
-                lines.append(f"\n[{sec}]")
-                section = sec
-            lines.append(f"{leaf} = {_toml_value(value)}")
+            sections.setdefault(sec, []).append(f"{leaf} = {_toml_value(value)}")
+        for sec, rows in sections.items():
+            lines += [f"\n[{sec}]", *rows]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -258,6 +301,62 @@ class Config:
             for name, value in parse_overrides(item).items():
                 cfg.set(name, value)
         return cfg
+
+
+def _toml_scalar(name: str, raw: Any) -> Any:
+    if isinstance(raw, (dict, list)):
+        raise ConfigError(f"config key '{name}': invalid value {raw!r}; allowed: a string, number or boolean")
+    return raw
+
+
+def _spark_str(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_retention(text: str) -> dict[str, float]:
+    """'TopicA=7,*=30' -> {'TopicA': 7.0, '*': 30.0} (days)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        topic, sep, days = part.partition("=")
+        if not sep or not topic.strip():
+            raise ValueError(part)
+        value = float(days)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(part)
+        out[topic.strip()] = value
+    return out
+
+
+def _check_retention(key: "Key", value: str) -> None:
+    try:
+        parse_retention(value)
+    except ValueError:
+        raise ConfigError(f"config key '{key.name}': invalid value {value!r}; allowed: TOPIC=DAYS pairs separated "
+                          f"by commas, '*' for every other topic, e.g. 'orders=30,*=7'") from None
+
+
+def _check_listen(key: "Key", value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if value and (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536):
+        raise ConfigError(f"config key '{key.name}': invalid value {value!r}; allowed: HOST:PORT such as "
+                          f"127.0.0.1:9464, or empty for no listener")
+
+
+def _check_stages(key: "Key", value: str) -> None:
+    stages = [s.strip() for s in value.split(",") if s.strip()]
+    bad = [s for s in stages if s not in ("segments", "index", "archive")]
+    if bad or not stages:
+        raise ConfigError(f"config key '{key.name}': invalid value {value!r}; allowed: a comma-separated subset "
+                          f"of segments, index, archive")
+
+
+_CHECKS: dict[str, Callable[["Key", Any], None]] = {
+    "archive.retention": _check_retention,
+    "metrics.listen": _check_listen,
+    "compaction.stages": _check_stages,
+}
 
 
 def parse_overrides(text: str) -> dict[str, str]:
