@@ -1,7 +1,8 @@
 """Object key layout (DESIGN §6). Pure: a catalog entry's identity in, object keys out.
 
 Segment content is split into chunk objects so every ranged GET stays small and cheap on any server:
-    <store-id>/seg/<relative path>/<generation>.<raw|lz4c>/<chunk number, 6 digits>
+    <store-id>/seg/<relative path>/<generation>.raw/<chunk number, 6 digits>
+A compacted segment is one lz4c object (its blocks are the unit of ranged reads): <generation>.lz4c.
 The object store adds its own bucket prefix (s3://BUCKET/PREFIX).
 """
 
@@ -19,3 +20,29 @@ def chunk_keys(store_id: str, rel_path: str, generation: int, fmt: str, size: in
 
 def segment_prefix(store_id: str) -> str:
     return f"{store_id}/seg/"
+
+
+def lz4c_key(store_id: str, rel_path: str, generation: int) -> str:
+    """The one lz4c object of a compacted segment (tierfs.tier.lz4c; blocks make chunking unnecessary)."""
+    return f"{store_id}/seg/{rel_path}/{generation}.lz4c"
+
+
+def cidx_key(store_id: str, rel_path: str, generation: int) -> str:
+    """Compacted sidecar of an IndexFile (tierfs.store.cidx)."""
+    return f"{store_id}/idx/{rel_path}/{generation}.cidx"
+
+
+def index_prefix(store_id: str) -> str:
+    return f"{store_id}/idx/"
+
+
+def archive_key(store_id: str, topic: str, date: str, rel_path: str, generation: int) -> str:
+    """Parquet part of the messages of *topic* on *date* (YYYY-MM-DD) from one CommitLog segment: named after the
+    segment (the file name of *rel_path*; a bare file name works too) and generation, so a re-run overwrites the
+    part instead of duplicating it."""
+    name = rel_path.rsplit("/", 1)[-1]
+    return f"{store_id}/archive/topic={topic}/date={date}/part-{name}-g{generation}.parquet"
+
+
+def archive_prefix(store_id: str) -> str:
+    return f"{store_id}/archive/"

@@ -1,0 +1,244 @@
+"""Executor-side task functions of the pipeline: one tiered segment in, new objects plus a result row out.
+
+They run inside Spark executors (or the driver), reach the object store only through the `ObjectStore` they are
+given, and never touch FUSE or the catalog: the daemon verifies each result row and swaps its catalog entry.
+Every failure raises :class:`SegmentError` naming the segment (path, generation) and, where one is involved, the
+object key. A SEG dict is a catalog entry as in the pipeline contract: path, kind, generation, size, format
+("raw" | "lz4c"), chunk_bytes, block_bytes, crc32c, block_crcs, objects.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Iterator
+
+import crc32c as _crc32c
+
+from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
+from tierfs.store import cidx
+from tierfs.tier import layout, lz4c
+
+__all__ = ["SegmentError", "read_segment", "compact_segment", "build_index_sidecar"]
+
+_READ_BYTES = 16 << 20  # at most this much per GET while streaming a segment (rounded to whole blocks)
+
+
+class SegmentError(Exception):
+    """A task could not process a segment; the message names the segment and the object involved."""
+
+
+def _crc(data, value: int = 0) -> int:
+    return _crc32c.crc32c(data, value)
+
+
+def _name(seg: dict) -> str:
+    return f"segment {seg.get('path')!r} generation {seg.get('generation')}"
+
+
+def _field(seg: dict, key: str, kind: type) -> Any:
+    v = seg.get(key)
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise SegmentError(f"{_name(seg)}: field {key!r} is missing or not a {kind.__name__} ({v!r})")
+    return v
+
+
+def _blocks_per_read(block_bytes: int) -> int:
+    return max(1, _READ_BYTES // block_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ read
+
+
+def read_segment(store: ObjectStore, seg: dict) -> Iterator[bytes]:
+    """Yield the segment's content block by block (``block_bytes`` each, the last maybe shorter), from its raw chunk
+    objects or its lz4c object. Every block is checked against its crc32c before it is yielded, and the whole
+    content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of finishing)."""
+    fmt = seg.get("format")
+    if fmt == "raw":
+        return _read_raw(store, seg)
+    if fmt == "lz4c":
+        return _read_lz4c(store, seg)
+    raise SegmentError(f"{_name(seg)}: unknown format {fmt!r} (expected raw or lz4c)")
+
+
+def _common(seg: dict) -> tuple[int, int, list[str]]:
+    size, bb = _field(seg, "size", int), _field(seg, "block_bytes", int)
+    objects = _field(seg, "objects", list)
+    if size < 0 or bb <= 0:
+        raise SegmentError(f"{_name(seg)}: size {size} and block_bytes {bb} must be >= 0 and > 0")
+    return size, bb, objects
+
+
+def _check_content(seg: dict, crc: int, size: int) -> None:
+    want = seg.get("crc32c")
+    if want is not None and crc != want:
+        raise SegmentError(f"{_name(seg)}: content crc32c {crc:08x} of {size} bytes does not match the catalog's "
+                           f"{want:08x}")
+
+
+def _read_raw(store: ObjectStore, seg: dict) -> Iterator[bytes]:
+    size, bb, objects = _common(seg)
+    chunk = _field(seg, "chunk_bytes", int)
+    crcs = _field(seg, "block_crcs", list)
+    if chunk <= 0 or chunk % bb:
+        raise SegmentError(f"{_name(seg)}: chunk_bytes {chunk} is not a positive multiple of block_bytes {bb}")
+    nchunks, nblocks = max(-(-size // chunk), 1), -(-size // bb)
+    if len(objects) != nchunks:
+        raise SegmentError(f"{_name(seg)}: {len(objects)} chunk objects listed, {size} bytes in chunks of {chunk} "
+                           f"need {nchunks}")
+    if len(crcs) != nblocks:
+        raise SegmentError(f"{_name(seg)}: {len(crcs)} block crc32c values listed, {size} bytes need {nblocks}")
+    step = _blocks_per_read(bb) * bb
+    crc, b = 0, 0
+    for i, key in enumerate(objects):
+        length = min(chunk, size - i * chunk)
+        for rel in range(0, length, step):
+            n = min(step, length - rel)
+            try:
+                data = store.get_range(key, rel, n)
+            except ObjectStoreError as e:
+                raise SegmentError(f"{_name(seg)}: chunk object {key!r}: {type(e).__name__}: {e}") from e
+            if len(data) != n:
+                raise SegmentError(f"{_name(seg)}: chunk object {key!r} returned {len(data)} bytes at {rel}, "
+                                   f"expected {n}")
+            mv = memoryview(data)
+            for pos in range(0, n, bb):
+                block = mv[pos:pos + bb]
+                got = _crc(block)
+                if got != crcs[b]:
+                    raise SegmentError(f"{_name(seg)}: chunk object {key!r} is corrupt: block {b} (object bytes "
+                                       f"[{rel + pos}, {rel + pos + len(block)})) has crc32c {got:08x}, the "
+                                       f"catalog says {crcs[b]:08x}")
+                crc = _crc(block, crc)
+                b += 1
+                yield block.tobytes() if len(block) != n else data
+    _check_content(seg, crc, size)
+
+
+def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
+    size, bb, objects = _common(seg)
+    if len(objects) != 1:
+        raise SegmentError(f"{_name(seg)}: an lz4c segment has exactly one object, {len(objects)} are listed")
+    key = objects[0]
+
+    def read(off: int, n: int) -> bytes:
+        return store.get_range(key, off, n)
+
+    try:
+        info = store.head(key)
+        if info is None:
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} does not exist")
+        f = lz4c.read_footer(read, info.size)
+        t = f.trailer
+        if (t.size, t.block_bytes) != (size, bb):
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} holds {t.size} bytes in blocks of {t.block_bytes}, "
+                               f"the catalog says {size} bytes in blocks of {bb}")
+        want = seg.get("crc32c")
+        if want is not None and t.content_crc32c != want:
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} says content crc32c {t.content_crc32c:08x}, "
+                               f"the catalog says {want:08x}")
+        crcs = seg.get("block_crcs") or []
+        if crcs and list(crcs) != f.crcs:
+            bad = next((i for i, (a, c) in enumerate(zip(crcs, f.crcs)) if a != c), min(len(crcs), len(f.crcs)))
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r}: block {bad}'s crc32c differs from the catalog's")
+        per = _blocks_per_read(bb)
+        crc = 0
+        for first in range(0, t.nblocks, per):
+            n = min(per, t.nblocks - first)
+            off, length = lz4c.block_span(f, first, n)
+            data = memoryview(read(off, length))
+            if len(data) != length:
+                raise SegmentError(f"{_name(seg)}: lz4c object {key!r} returned {len(data)} bytes at {off}, "
+                                   f"expected {length}")
+            for b in range(first, first + n):
+                rel = f.coff[b] - off
+                block = lz4c.decode_blocks(f, b, 1, data[rel:rel + f.clen[b]])
+                crc = _crc(block, crc)
+                yield block
+    except lz4c.Lz4cError as e:
+        raise SegmentError(f"{_name(seg)}: lz4c object {key!r} is corrupt: {e}") from e
+    except ObjectStoreError as e:
+        raise SegmentError(f"{_name(seg)}: lz4c object {key!r}: {type(e).__name__}: {e}") from e
+    _check_content(seg, crc, size)
+    if crc != t.content_crc32c:
+        raise SegmentError(f"{_name(seg)}: lz4c object {key!r} is corrupt: content crc32c {crc:08x}, its trailer "
+                           f"says {t.content_crc32c:08x}")
+
+
+# ------------------------------------------------------------------------------------------------ compact
+
+
+def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str | None = None) -> dict:
+    """Rewrite a raw segment as one lz4c object (``layout.lz4c_key``); return its ``segments[]`` result row.
+
+    The object is streamed to a temporary file (in *tmp_dir*, default $TMPDIR) and uploaded with ``put_file`` (a
+    multipart upload on S3) only after its whole content was checked against the catalog's size and crc32c.
+    """
+    path, gen = _field(seg, "path", str), _field(seg, "generation", int)
+    if seg.get("format") != "raw":
+        raise SegmentError(f"{_name(seg)}: format is {seg.get('format')!r}; only raw segments are compacted")
+    want = _field(seg, "crc32c", int)
+    size, bb, _ = _common(seg)
+    key = layout.lz4c_key(store_id, path, gen)
+    w = lz4c.Lz4cWriter(bb)
+    obj_crc = 0
+    fd, tmp = tempfile.mkstemp(prefix="tierfs-lz4c-", suffix=".tmp", dir=tmp_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in read_segment(store, seg):
+                out = w.add(block)
+                if out:
+                    f.write(out)
+                    obj_crc = _crc(out, obj_crc)
+            out = w.finish()
+            f.write(out)
+            obj_crc = _crc(out, obj_crc)
+        if w.size != size or w.content_crc32c != want:
+            raise SegmentError(f"{_name(seg)}: compacted content is {w.size} bytes with crc32c "
+                               f"{w.content_crc32c:08x}; the catalog says {size} bytes with crc32c {want:08x}")
+        meta = {"tierfs-format": "lz4c", "tierfs-size": str(size),
+                "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
+        try:
+            info = store.put_file(key, tmp, metadata=meta, crc32c=obj_crc)
+        except ObjectStoreError as e:
+            raise SegmentError(f"{_name(seg)}: upload of lz4c object {key!r}: {type(e).__name__}: {e}") from e
+        if info.size != w.compressed_size:
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} was stored with {info.size} bytes, "
+                               f"{w.compressed_size} were uploaded")
+    finally:
+        os.unlink(tmp)
+    return {"path": path, "generation": gen, "format": "lz4c", "key": key, "size": size,
+            "compressed_bytes": w.compressed_size, "crc32c": w.content_crc32c, "block_bytes": bb}
+
+
+# ------------------------------------------------------------------------------------------------ index sidecar
+
+
+def build_index_sidecar(store: ObjectStore, store_id: str, seg: dict, max_hash_slot_num: int,
+                        max_index_num: int) -> dict:
+    """Build the ``.cidx`` sidecar of a tiered IndexFile (``layout.cidx_key``); return its ``indexes[]`` row."""
+    path, gen = _field(seg, "path", str), _field(seg, "generation", int)
+    size = _field(seg, "size", int)
+    buf = bytearray(size)
+    pos = 0
+    for block in read_segment(store, seg):
+        buf[pos:pos + len(block)] = block
+        pos += len(block)
+    if pos != size:
+        raise SegmentError(f"{_name(seg)}: read {pos} bytes, the catalog says {size}")
+    try:
+        data = cidx.build(buf, max_hash_slot_num, max_index_num)
+    except cidx.CidxError as e:
+        raise SegmentError(f"{_name(seg)}: no index sidecar: {e}") from e
+    del buf
+    key = layout.cidx_key(store_id, path, gen)
+    crc = _crc(data)
+    try:
+        info = store.put(key, data, metadata={"tierfs-format": "cidx", "crc32c": format_crc32c(crc)})
+    except ObjectStoreError as e:
+        raise SegmentError(f"{_name(seg)}: upload of index sidecar {key!r}: {type(e).__name__}: {e}") from e
+    if info.size != len(data):
+        raise SegmentError(f"{_name(seg)}: index sidecar {key!r} was stored with {info.size} bytes, "
+                           f"{len(data)} were uploaded")
+    return {"path": path, "generation": gen, "key": key, "bytes": len(data), "crc32c": crc}
