@@ -1,0 +1,515 @@
+"""The Spark driver of the tierfs pipeline: `python -m tierfs.spark --job-dir DIR`.
+
+Contract (docs: pipeline contract, DESIGN §10): the daemon writes DIR/input.json; this process runs the requested
+stages in the fixed order segments, index, archive, one Spark task per segment; executors open the object store
+themselves, so no segment bytes pass through the driver. Each stage's results stream back in completion order
+(one job per partition of one RDD, submitted from a small thread pool), and the driver appends one line per
+finished item to DIR/progress.jsonl. A failing item is an errors[] entry, not a job failure. DIR/result.json is
+written last and atomically: a job killed midway leaves none, and the daemon then swaps nothing.
+
+Exit status: 0 when the job ran (even with per-item errors), 2 for bad input (with a message naming what is
+wrong), 1 when Spark itself could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tierfs import failpoints
+from tierfs.store import indexfile
+
+STAGES = ("segments", "index", "archive")
+ITEMS_KEY = {"segments": "segments", "index": "indexes", "archive": "commitlogs"}
+RESULT_KEY = {"segments": "segments", "index": "indexes", "archive": "archive"}
+INPUT = "input.json"
+PROGRESS = "progress.jsonl"
+RESULT = "result.json"
+LOG4J = "spark-log4j2.properties"
+SHARED_HINT = ("the posix object store is not visible to cluster executors; set objectstore.posix_shared=true if it "
+               "is on shared storage")
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+_LOG4J_TEXT = """\
+# Written by tierfs.spark: Spark logs warnings and errors only, on stderr.
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.nativeloader.name = org.apache.hadoop.util.NativeCodeLoader
+logger.nativeloader.level = error
+"""
+
+
+class InputError(ValueError):
+    """input.json is missing or wrong; the message names the file and the field."""
+
+
+# ---------------------------------------------------------------------------------------------------- input
+
+
+@dataclass
+class JobInput:
+    job_dir: Path
+    job_id: str
+    stages: list[str]
+    store: dict[str, Any]                 # {"url": ..., "options": {...}}
+    store_id: str
+    spark: dict[str, str]
+    items: dict[str, list[dict]]          # stage -> SEGs
+    max_hash_slot_num: int
+    max_index_num: int
+    retention: dict[str, float]
+    today: _dt.date
+    posix_shared: bool = False
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def master(self) -> str:
+        return self.spark["spark.master"]
+
+
+def is_local_master(master: str) -> bool:
+    """Masters whose executors run on this machine and so see the same file system."""
+    m = master.strip()
+    return m == "local" or m.startswith(("local[", "local-cluster["))
+
+
+def load_input(job_dir: Path) -> JobInput:
+    path = job_dir / INPUT
+    where = str(path)
+    if not job_dir.is_dir():
+        raise InputError(f"job directory {str(job_dir)!r} does not exist or is not a directory")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{where} does not exist: the daemon writes it before starting the job") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{where} cannot be read: {e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{where} must hold a JSON object, not {type(doc).__name__}")
+    return parse_input(doc, job_dir, where)
+
+
+def _need(doc: dict, key: str, kind: type | tuple, where: str, what: str) -> Any:
+    if key not in doc:
+        raise InputError(f"{where}: {key!r} is missing ({what})")
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InputError(f"{where}: {key!r} must be {what}, not {json.dumps(value)[:80]}")
+    return value
+
+
+def parse_input(doc: dict, job_dir: Path, where: str) -> JobInput:
+    job_id = _need(doc, "job_id", str, where, "a non-empty string")
+    if not job_id.strip():
+        raise InputError(f"{where}: 'job_id' must be a non-empty string")
+    stages = _need(doc, "stages", list, where, f"a list of stage names ({', '.join(STAGES)})")
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise InputError(f"{where}: unknown stage(s) {', '.join(map(json.dumps, unknown))} in 'stages'; allowed: "
+                         f"{', '.join(STAGES)}")
+    store = _need(doc, "store", dict, where, 'an object {"url": ..., "options": {...}}')
+    url = store.get("url")
+    if not isinstance(url, str) or not url.strip():
+        raise InputError(f"{where}: 'store.url' must be a file:///PATH or s3://BUCKET/PREFIX URL")
+    options = store.get("options", {})
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise InputError(f"{where}: 'store.options' must be an object of open_store options")
+    store_id = _need(doc, "store_id", str, where, "the store id (a non-empty string without '/')")
+    if not store_id or "/" in store_id:
+        raise InputError(f"{where}: 'store_id' {store_id!r} must be a non-empty string without '/'")
+    spark_in = doc.get("spark") or {}
+    if not isinstance(spark_in, dict):
+        raise InputError(f"{where}: 'spark' must be an object of spark.* settings")
+    spark: dict[str, str] = {}
+    for k, v in spark_in.items():
+        if not k.startswith("spark."):
+            raise InputError(f"{where}: 'spark' key {k!r} is not a Spark setting (keys start with 'spark.')")
+        if isinstance(v, (dict, list)) or v is None:
+            raise InputError(f"{where}: 'spark' setting {k!r} must be a string, number or boolean")
+        spark[k] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+    spark.setdefault("spark.master", "local[*]")
+    items: dict[str, list[dict]] = {}
+    for stage in STAGES:
+        key = ITEMS_KEY[stage]
+        value = doc.get(key, [])
+        if stage in stages and key not in doc:
+            raise InputError(f"{where}: {key!r} is missing (the segments for stage {stage!r})")
+        if not isinstance(value, list):
+            raise InputError(f"{where}: {key!r} must be a list of segment entries")
+        items[stage] = value
+    limits = {}
+    for key, default in (("max_hash_slot_num", indexfile.MAX_HASH_SLOT_NUM), ("max_index_num", indexfile.MAX_INDEX_NUM)):
+        v = doc.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(f"{where}: {key!r} must be an integer >= 1, not {json.dumps(v)}")
+        limits[key] = v
+    retention_in = doc.get("retention") or {}
+    if not isinstance(retention_in, dict):
+        raise InputError(f"{where}: 'retention' must be an object of topic -> days ('*' for the default)")
+    retention: dict[str, float] = {}
+    for topic, days in retention_in.items():
+        if not isinstance(days, (int, float)) or isinstance(days, bool) or not 0 <= days < math.inf:
+            raise InputError(f"{where}: 'retention' of topic {topic!r} must be a number of days >= 0, "
+                             f"not {json.dumps(days)}")
+        retention[topic] = float(days)
+    today_in = doc.get("today")
+    if today_in is None:
+        today = _dt.datetime.now(_dt.timezone.utc).date()
+    else:
+        try:
+            today = _dt.date.fromisoformat(today_in)
+        except (TypeError, ValueError):
+            raise InputError(f"{where}: 'today' must be a date YYYY-MM-DD, not {json.dumps(today_in)}") from None
+    posix_shared = doc.get("posix_shared", False)
+    if not isinstance(posix_shared, bool):
+        raise InputError(f"{where}: 'posix_shared' must be true or false")
+    inp = JobInput(job_dir=job_dir, job_id=job_id, stages=[s for s in STAGES if s in stages],
+                   store={"url": url.strip(), "options": dict(options)}, store_id=store_id, spark=spark, items=items,
+                   max_hash_slot_num=limits["max_hash_slot_num"], max_index_num=limits["max_index_num"],
+                   retention=retention, today=today, posix_shared=posix_shared, raw=doc)
+    if inp.store["url"].lower().startswith("file:") and not is_local_master(inp.master) and not posix_shared:
+        raise InputError(f"{where}: store {inp.store['url']!r} with spark.master {inp.master!r}: {SHARED_HINT}")
+    return inp
+
+
+def check_item(stage: str, seg: Any) -> str | None:
+    """Why a segment entry cannot be processed, or None. Bad entries become errors[], not a failed job."""
+    if not isinstance(seg, dict):
+        return f"segment entry must be an object, not {json.dumps(seg)[:80]}"
+    for key, kind, what in (("path", str, "a string"), ("generation", int, "an integer"),
+                            ("size", int, "an integer"), ("format", str, "a string"), ("objects", list, "a list")):
+        v = seg.get(key)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            return f"segment entry field {key!r} is missing or not {what}"
+    if seg["format"] not in ("raw", "lz4c"):
+        return f"segment entry format {seg['format']!r} is not raw or lz4c"
+    if stage == "archive" and not seg["path"].startswith("commitlog/"):
+        return f"the archive stage reads CommitLog segments only, not {seg['path']!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- executor side
+
+_STORES: dict[str, Any] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store(spec: dict) -> Any:
+    """One object store per executor Python worker and store spec (workers are reused across tasks)."""
+    key = json.dumps(spec, sort_keys=True)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            from tierfs.objectstore import open_store
+
+            store = _STORES[key] = open_store(spec["url"], **spec["options"])
+        return store
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Everything an executor needs for one stage: small, pickled into the task closure."""
+
+    stage: str
+    store: dict
+    store_id: str
+    max_hash_slot_num: int
+    max_index_num: int
+    retention: dict
+    today: str
+
+
+def run_item(p: StageParams, seg: dict) -> dict:
+    """Process one segment on an executor. Never raises: a failure is returned as {"ok": False, "error"}."""
+    t0 = time.monotonic()
+    try:
+        failpoints.hit(f"spark.item.{p.stage}")  # tests: "raise" fails the item, "kill" crashes the worker
+        store = _store(p.store)
+        if p.stage == "segments":
+            from tierfs.spark.tasks import compact_segment
+
+            row = compact_segment(store, p.store_id, seg)
+            bytes_in, bytes_out = int(seg["size"]), int(row.get("compressed_bytes", 0))
+        elif p.stage == "index":
+            from tierfs.spark.tasks import build_index_sidecar
+
+            row = build_index_sidecar(store, p.store_id, seg, p.max_hash_slot_num, p.max_index_num)
+            bytes_in, bytes_out = int(seg["size"]), int(row.get("bytes", 0))
+        else:
+            from tierfs.spark.archive import archive_segment
+
+            row = archive_segment(store, p.store_id, seg, p.retention, _dt.date.fromisoformat(p.today))
+            bytes_in, bytes_out = int(row.pop("bytes_read")), int(row["bytes"])
+        return {"ok": True, "row": row, "bytes_in": bytes_in, "bytes_out": bytes_out,
+                "seconds": round(time.monotonic() - t0, 3)}
+    except Exception as e:  # noqa: BLE001 - every failure is reported per item
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _partition_runner(p: StageParams) -> Callable:
+    def run(it):
+        return [run_item(p, seg) for seg in it]
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------- driver side
+
+
+class Progress:
+    """DIR/progress.jsonl: one JSON line per finished item, appended as items finish (O_APPEND, one write)."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.lock = threading.Lock()
+
+    def write(self, line: dict) -> None:
+        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        with self.lock:
+            os.write(self.fd, data)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def write_result(job_dir: Path, result: dict) -> None:
+    """tmp + fsync + rename + directory fsync: the daemon sees the whole result or none."""
+    tmp = job_dir / f".{RESULT}.tmp.{os.getpid()}"
+    data = json.dumps(result, indent=1).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, job_dir / RESULT)
+    dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def spark_conf(inp: JobInput) -> dict[str, str]:
+    """The settings given to the SparkSession builder: quiet defaults, then every spark.* key of the input."""
+    conf = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}
+    if is_local_master(inp.master):
+        conf["spark.driver.host"] = "127.0.0.1"
+        conf["spark.driver.bindAddress"] = "127.0.0.1"
+    conf.update(inp.spark)
+    log4j = f"-Dlog4j2.configurationFile=file:{inp.job_dir.resolve() / LOG4J}"
+    opts = conf.get("spark.driver.extraJavaOptions", "")
+    if "log4j2.configurationFile" not in opts:
+        conf["spark.driver.extraJavaOptions"] = f"{opts} {log4j}".strip()
+    return conf
+
+
+def start_session(inp: JobInput):
+    """SparkSession for the job (executors use this same Python unless PYSPARK_PYTHON says otherwise)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if is_local_master(inp.master):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    (inp.job_dir / LOG4J).write_text(_LOG4J_TEXT)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(f"tierfs-{inp.job_id}")
+    for k, v in spark_conf(inp).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    if not is_local_master(inp.master):
+        _ship_package(spark.sparkContext, inp.job_dir)
+    return spark
+
+
+def _ship_package(sc, job_dir: Path) -> None:
+    """Cluster executors may not have tierfs installed: send this checkout's package as a zip."""
+    import zipfile
+
+    pkg = Path(__file__).resolve().parent.parent
+    zpath = job_dir / "tierfs-package.zip"
+    with zipfile.ZipFile(zpath, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(pkg.rglob("*.py")):
+            z.write(f, f.relative_to(pkg.parent))
+    sc.addPyFile(str(zpath))
+
+
+def _spark_error(e: BaseException) -> str:
+    """A short message for a task that failed inside Spark (worker crash, lost executor), not a Java trace."""
+    text = str(getattr(e, "java_exception", None) or e)
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.strip().startswith(("at ", "..."))]
+    return f"{type(e).__name__}: {' | '.join(lines[:3])[:1000]}"
+
+
+@dataclass
+class StageReport:
+    items: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rows: int = 0
+
+
+def run_stage(sc, stage: str, segs: list[dict], params: StageParams, progress: Progress,
+              on_item: Callable[[dict, dict], None]) -> StageReport:
+    """One task per segment; results handed to on_item(seg, outcome) and logged in completion order.
+
+    One RDD with a partition per segment; each partition runs as its own Spark job, submitted from as many
+    driver threads as the cluster has cores, so results arrive as tasks finish (toLocalIterator would run the
+    partitions one after another) while the scheduler keeps every core busy.
+    """
+    report = StageReport(items=len(segs))
+    t0 = time.monotonic()
+    if segs:
+        rdd = sc.parallelize(segs, numSlices=len(segs))
+        runner = _partition_runner(params)
+
+        def one(i: int) -> dict:
+            return sc.runJob(rdd, runner, [i])[0]
+
+        workers = max(1, min(len(segs), int(sc.defaultParallelism)))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"tierfs-{stage}") as pool:
+            futures = {pool.submit(one, i): seg for i, seg in enumerate(segs)}
+            for fut in concurrent.futures.as_completed(futures):
+                seg = futures[fut]
+                try:
+                    outcome = fut.result()
+                except Exception as e:  # noqa: BLE001 - the task died inside Spark
+                    outcome = {"ok": False, "error": _spark_error(e)}
+                report.bytes_in += outcome.get("bytes_in", 0)
+                report.bytes_out += outcome.get("bytes_out", 0)
+                report.failed += not outcome["ok"]
+                if outcome["ok"]:
+                    report.rows += int(outcome["row"].get("rows", 0))
+                on_item(seg, outcome)
+                progress.write({"stage": stage, "path": seg["path"], "ok": outcome["ok"],
+                                "bytes_in": outcome.get("bytes_in", 0), "bytes_out": outcome.get("bytes_out", 0),
+                                "error": outcome.get("error"), "seconds": outcome.get("seconds")})
+    report.seconds = round(time.monotonic() - t0, 3)
+    return report
+
+
+def run_job(inp: JobInput, spark, progress: Progress) -> dict:
+    t0 = time.monotonic()
+    sc = spark.sparkContext
+    result: dict[str, Any] = {"job_id": inp.job_id, "ok": True, "seconds": 0.0, "segments": [], "indexes": [],
+                              "archive": [], "archive_deleted": [], "archive_superseded": [], "errors": [],
+                              "stages": {}}
+    for stage in inp.stages:
+        params = StageParams(stage, inp.store, inp.store_id, inp.max_hash_slot_num, inp.max_index_num,
+                             inp.retention, inp.today.isoformat())
+        progress.write({"stage": stage, "total": len(inp.items[stage])})
+        good: list[dict] = []
+        for seg in inp.items[stage]:
+            why = check_item(stage, seg)
+            if why is None:
+                good.append(seg)
+            else:
+                path = seg.get("path") if isinstance(seg, dict) and isinstance(seg.get("path"), str) else ""
+                result["errors"].append({"stage": stage, "path": path, "error": why})
+                progress.write({"stage": stage, "path": path, "ok": False, "bytes_in": 0, "bytes_out": 0,
+                                "error": why})
+
+        def on_item(seg: dict, outcome: dict, stage: str = stage) -> None:
+            if outcome["ok"]:
+                result[RESULT_KEY[stage]].append(outcome["row"])
+            else:
+                result["errors"].append({"stage": stage, "path": seg["path"], "error": outcome["error"]})
+
+        report = run_stage(sc, stage, good, params, progress, on_item)
+        if stage == "archive":
+            _sweep(inp, result)
+        result["stages"][stage] = vars(report)
+    result["ok"] = not result["errors"]
+    result["seconds"] = round(time.monotonic() - t0, 3)
+    return result
+
+
+def _sweep(inp: JobInput, result: dict) -> None:
+    """Driver-side part of the archive stage: retention, and files of superseded generations."""
+    from tierfs.objectstore import open_store
+    from tierfs.spark.archive import archive_prefix, sweep
+
+    archived = {row["path"].rsplit("/", 1)[-1]: int(row["generation"]) for row in result["archive"]}
+    try:
+        store = open_store(inp.store["url"], **inp.store["options"])
+        try:
+            done = sweep(store, inp.store_id, inp.retention, inp.today, archived)
+        finally:
+            store.close()
+    except Exception as e:  # noqa: BLE001 - reported, the rest of the job stands
+        result["errors"].append({"stage": "archive", "path": archive_prefix(inp.store_id),
+                                 "error": f"retention sweep failed: {type(e).__name__}: {e}"})
+        return
+    result["archive_deleted"] = done.expired
+    result["archive_superseded"] = done.superseded
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tierfs.spark",
+                                 description="Run a tierfs pipeline job (lz4c compaction, index sidecars, "
+                                             "Parquet archive) described by JOB_DIR/input.json.")
+    ap.add_argument("--job-dir", required=True, type=Path, help="directory holding input.json (written by the daemon)")
+    args = ap.parse_args(argv)
+    job_dir: Path = args.job_dir
+    try:
+        inp = load_input(job_dir)
+        # A bad store URL or option is bad input too: find out before starting a JVM.
+        from tierfs.objectstore import open_store
+
+        try:
+            open_store(inp.store["url"], **inp.store["options"]).close()
+        except ValueError as e:
+            raise InputError(f"{job_dir / INPUT}: 'store': {e}") from None
+    except InputError as e:
+        print(f"tierfs.spark: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for stale in (job_dir / RESULT,):
+        stale.unlink(missing_ok=True)  # a re-run in the same directory must not leave an old result behind
+    progress = Progress(job_dir / PROGRESS)
+    try:
+        t0 = time.monotonic()
+        try:
+            spark = start_session(inp)
+        except Exception as e:  # noqa: BLE001
+            print(f"tierfs.spark: error: cannot start Spark (spark.master {inp.master!r}): {_spark_error(e)}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        startup = time.monotonic() - t0
+        try:
+            result = run_job(inp, spark, progress)
+            result["session_start_seconds"] = round(startup, 3)
+            write_result(job_dir, result)
+        finally:
+            spark.stop()
+    finally:
+        progress.close()
+    failed = len(result["errors"])
+    print(f"tierfs.spark: job {inp.job_id} done in {result['seconds']:.1f} s (session start {startup:.1f} s); "
+          f"{failed} item error(s)", file=sys.stderr)
+    return EXIT_OK
