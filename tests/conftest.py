@@ -25,8 +25,9 @@ import pytest
 
 from mountutil import FUSE_SKIP_REASON, Mount
 
-# The Ceph RGW (S3) session fixture `rgw`, for tests that do not import it themselves (tests/ceph_rgw.py).
-pytest_plugins = ("ceph_rgw",)
+# The Ceph RGW (S3) session fixture `rgw`, for tests that do not import it themselves (tests/ceph_rgw.py), and
+# `fault_proxy`, a fault-injecting proxy in front of it (tests/faultproxy.py).
+pytest_plugins = ("ceph_rgw", "faultproxy")
 
 
 @pytest.fixture

@@ -589,13 +589,11 @@ def test_mtime_is_time_of_last_data_write_not_of_reads(mounted):
     assert mounted.hot_path("seg").stat().st_mtime_ns == m2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tierfs bug: with the writeback cache the kernel owns mtime and sends SETATTR(mtime) only when its mtime "
-    "changes; a write in the same clock tick as the create does not change it, so the daemon's later pwrite "
-    "(at writeback/close) stamps the hot file with the writeback time (operations.py write())."))
 def test_hot_mtime_matches_kernel_mtime_when_write_follows_create(mounted):
     """What the broker sees after a remount (the kernel forgot the inode) is the hot file's mtime; it must be
-    the mtime the kernel showed before, i.e. the time of the data write, not the time of the writeback."""
+    the mtime the kernel showed before, i.e. the time of the data write, not the time of the writeback. With
+    the writeback cache the kernel owns mtime and sends SETATTR(mtime) only when its own changed (not for a
+    write in the same clock tick as the create), so the daemon's WRITE must leave the hot file's mtime alone."""
     names = [f"cfg{i}.json" for i in range(20)]
     for name in names:
         fd = os.open(mounted.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -791,6 +789,21 @@ def test_control_dir_listed_only_at_root_and_readable_with_cat(mounted):
     assert run(["cat", str(mounted.ctl / "status")], check=True).stdout.startswith("tierfs status")
 
 
+def test_control_dir_lists_dot_entries_like_any_dir(mounted):
+    mounted.path("sub").mkdir()
+    for d in (mounted.mnt, mounted.path("sub"), mounted.ctl):
+        names = run(["ls", "-a", "-1", "-U", str(d)], check=True).stdout.split()  # -U: readdir order
+        assert names[:2] == [".", ".."], (d, names)
+        assert names.count(".") == 1 and names.count("..") == 1, (d, names)
+    # readdirplus attributes of '.' and '..' are the dir's and the root's own
+    ls = run(["ls", "-a", "-i", "-1", str(mounted.ctl)], check=True).stdout.split("\n")
+    inos = {name: int(ino) for ino, name in (line.split() for line in ls if line.strip())}
+    assert inos["."] == os.stat(mounted.ctl).st_ino
+    assert inos[".."] == os.stat(mounted.mnt).st_ino
+    assert CONTROL_FILES <= set(inos)
+    assert set(os.listdir(mounted.ctl)) >= CONTROL_FILES and "." not in os.listdir(mounted.ctl)
+
+
 def test_control_dir_is_read_only(mounted):
     f = mounted.ctl / "status"
     checks = {
@@ -892,9 +905,16 @@ def test_second_daemon_on_same_hot_dir_is_refused(mount_store, tmp_path):
     m = mount_store()
     mnt2 = tmp_path / "mnt-second"
     mnt2.mkdir()
+    stderr_file = m.state_dir / "daemon.stderr"
+    before = stderr_file.read_bytes()
+    assert b"mounting" in before  # the running daemon's own output
     r = m.cli("mount", m.hot, mnt2, timeout=60)
     assert r.returncode != 0
     assert f"another tierfs daemon (pid {m.pid})" in r.stderr, r.stderr
+    # the refused attempt neither clobbered the running daemon's stderr file nor left its own behind
+    assert stderr_file.read_bytes().startswith(before)
+    assert os.readlink(f"/proc/{m.pid}/fd/2") == str(stderr_file)
+    assert sorted(p.name for p in m.state_dir.glob("daemon.stderr*")) == ["daemon.stderr"]
     r = m.cli("mount", m.hot, mnt2, "--foreground", timeout=60)
     assert r.returncode == 2
     assert f"another tierfs daemon (pid {m.pid}) already serves hot dir {m.hot}" in r.stderr, r.stderr

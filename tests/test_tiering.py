@@ -1,5 +1,6 @@
-"""Tiering on real mounts with the posix object store: seal, upload, verify, evict, read back, crash, corrupt,
-rewrite, delete. The reference bytes come from a native copy of the same store written before mounting."""
+"""Tiering on real mounts, with the posix object store and with Ceph RGW (S3): seal, upload, verify, evict, read
+back, kill -9 at each step, corrupt, rewrite, delete, stale multipart uploads, the upload bandwidth cap. The
+reference bytes come from a native copy of the same store written before mounting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from mountutil import evict, wait_for
@@ -188,9 +190,33 @@ def test_delete_tiered_segments_removes_objects(mount_store, reference_store):
              what="objects deleted")
 
 
-@pytest.mark.parametrize("point", ["tier.after_put", "tier.after_commit", "tier.evict"])
-def test_kill9_during_tiering_loses_nothing(mount_store, reference_store, point):
-    m = mount_store(options=[TIER_OPTS], env={"TIERFS_FAILPOINTS": f"{point}=kill"})
+KILL_POINTS = ["tier.chunk_put", "tier.after_put", "tier.after_commit", "tier.evict"]
+
+
+def assert_every_file_intact(m, ref: Path) -> None:
+    """Every file of the reference store (segments, tiered or not, and the mutable files) has its size and
+    crc32c through the mount, read after dropping its cached pages; the consumer reads every message back."""
+    for p in sorted(ref.rglob("*")):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(ref)
+        evict(m.mnt / rel)
+        got = (m.mnt / rel).read_bytes()
+        assert (len(got), crc32c.crc32c(got)) == (p.stat().st_size, crc32c.crc32c(p.read_bytes())), rel
+    got = consume(m.mnt, "--expect-messages", "6000", "--check-keys", "-1")
+    assert got["ok"] and got["messages"] == 6000, got
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill9_during_tiering_loses_nothing(request, mount_store, reference_store, point, backend):
+    """SIGKILL of the daemon in the middle of an upload (after one chunk object), between the upload and its
+    catalog commit, right after the commit, and during eviction (residency durable, hole not yet punched); then
+    remount: every acknowledged byte is there, tiering resumes, and the whole store reads back exactly."""
+    opts = TIER_OPTS
+    if backend == "s3":
+        opts = s3_opts(request.getfixturevalue("rgw"), "kill-" + point.replace(".", "-").replace("_", "-"))
+    m = mount_store(options=[opts], env={"TIERFS_FAILPOINTS": f"{point}=kill"})
     acked = copy_in(reference_store, m.mnt, stop_on_disconnect=True)
     wait_for(lambda: not m.alive(), timeout=60, what=f"daemon killed at {point}")
     m.kill()  # clears the dead mount
@@ -201,9 +227,8 @@ def test_kill9_during_tiering_loses_nothing(mount_store, reference_store, point)
     assert acked_segs, "the daemon died before any file was acknowledged"
     assert_same_bytes(m, reference_store, acked_segs)  # every acknowledged byte survived the crash
     copy_in(reference_store, m.mnt)  # finish the store, then let tiering resume
-    segs = segments(reference_store)
-    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]])
-    assert_same_bytes(m, reference_store, segs)
+    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]], timeout=90)
+    assert_every_file_intact(m, reference_store)
 
 
 # ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)
@@ -260,3 +285,161 @@ def test_s3_store_down_then_back(mount_store, reference_store, rgw):
         rgw.start_rgw()
     evict(m.mnt / victim)
     assert (m.mnt / victim).read_bytes() == (reference_store / victim).read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------- stale multipart uploads
+
+def test_s3_stale_multipart_uploads_are_aborted_at_mount(mount_store, rgw):
+    """A crashed daemon's multipart upload under <store-id>/ is aborted when the next daemon starts; uploads of
+    other stores in the same bucket are left alone."""
+    bucket = rgw.make_bucket("tier-stale-mpu")
+    c = rgw.client()
+    mine = "stores/mpu-store/seg/commitlog/00000000000000000000/0.raw/0"
+    other = "stores/other-store/seg/commitlog/00000000000000000000/0.raw/0"
+    ups = {}
+    for key in (mine, other):
+        ups[key] = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        c.upload_part(Bucket=bucket, Key=key, UploadId=ups[key], PartNumber=1, Body=b"x" * (5 << 20))
+
+    def listed(prefix: str) -> set[str]:
+        return {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])}
+
+    assert listed("stores/") == {mine, other}
+    time.sleep(1.1)  # S3 'Initiated' has whole seconds: start the daemon in a later second
+    m = mount_store(options=[s3_opts(rgw, bucket, ",store.id=mpu-store")])
+    try:
+        wait_for(lambda: "stale multipart uploads under mpu-store/" in m.log_text(), timeout=30,
+                 what="the stale-upload sweep")
+        assert "aborted 1 stale multipart uploads under mpu-store/" in m.log_text(), m.log_tail()
+        assert listed("stores/mpu-store/") == set()
+        assert listed("stores/") == {other}
+    finally:
+        c.abort_multipart_upload(Bucket=bucket, Key=other, UploadId=ups[other])
+
+
+def test_posix_stale_partial_objects_are_removed_at_mount(mount_store, tmp_path):
+    """The posix store's equivalent: a temporary object file left by a daemon killed mid-put is deleted."""
+    objects = tmp_path / "objects"
+    d = objects / "px-store" / "seg" / "commitlog" / "00000000000000000000" / "0.raw"
+    d.mkdir(parents=True)
+    stale = d / ".tierfs-tmp.0123456789abcdef.0"
+    stale.write_bytes(b"partial")
+    past = time.time() - 60
+    os.utime(stale, (past, past))
+    m = mount_store(options=[f"{TIER_OPTS},store.id=px-store,objectstore.url=file://{objects}"])
+    wait_for(lambda: "stale multipart uploads under px-store/" in m.log_text(), timeout=30,
+             what="the stale-upload sweep")
+    assert "aborted 1 stale multipart uploads under px-store/" in m.log_text(), m.log_tail()
+    assert not stale.exists()
+
+
+# ---------------------------------------------------------------------------------------------- upload bandwidth
+
+def _engine(tmp_path: Path, name: str, options: str):
+    from tierfs.config import Config
+    from tierfs.tier.engine import Engine
+
+    hot, state = tmp_path / f"{name}-hot", tmp_path / f"{name}-hot" / ".tierfs"
+    state.mkdir(parents=True)
+    return Engine(hot, state, Config.load(None, [options]))
+
+
+def _timed_uploads(eng, nfiles: int, size: int) -> float:
+    """Upload `nfiles` files of `size` bytes through the engine's upload path from as many threads at once (as
+    the uploader tasks do); returns the wall time."""
+    import concurrent.futures
+
+    from tierfs.tier.catalog import Entry, State
+
+    entries = []
+    for i in range(nfiles):
+        rel = f"commitlog/{i:020d}"
+        (eng.hot / rel).parent.mkdir(parents=True, exist_ok=True)
+        (eng.hot / rel).write_bytes(os.urandom(size))
+        entries.append(Entry(path=rel, kind="commitlog", size=size, mtime_ns=0, state=State.UPLOADING,
+                             chunk_bytes=eng.chunk, block_bytes=eng.block))
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(nfiles) as pool:
+        results = list(pool.map(eng._upload_blocking, entries))
+    elapsed = time.monotonic() - t0
+    for e, (crc, _, keys) in zip(entries, results):
+        assert crc == crc32c.crc32c((eng.hot / e.path).read_bytes())
+        assert b"".join(eng.store.get(k) for k in keys) == (eng.hot / e.path).read_bytes()
+    return elapsed
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])
+def test_upload_bandwidth_limit_is_shared_by_all_uploaders(request, tmp_path, backend):
+    """upload.bandwidth_bytes_per_second caps the sum of concurrent uploads: 3 uploaders x 1 MiB at 1 MiB/s take
+    about 3 s (the bucket keeps at most 0.1 s of credit), and the same uploads without a cap are quick."""
+    base = "cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB"
+    if backend == "s3":
+        rgw = request.getfixturevalue("rgw")
+        bucket = rgw.make_bucket("tier-bandwidth")
+        base += (f",objectstore.url=s3://{bucket}/bw,objectstore.endpoint_url={rgw.endpoint_url},"
+                 f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+                 "objectstore.addressing=path")
+    n, size, limit = 3, 1 << 20, 1 << 20
+    fast = _timed_uploads(_engine(tmp_path, "free", base), n, size)
+    slow = _timed_uploads(_engine(tmp_path, "capped", f"{base},upload.bandwidth_bytes_per_second={limit}"), n, size)
+    least = (n * size - 0.1 * limit) / limit  # all bytes at the rate, less the burst credit
+    assert slow >= least * 0.97, f"{n * size} bytes at {limit} B/s took {slow:.2f} s, expected >= {least:.2f} s"
+    assert slow <= least + 2.5, f"the cap slowed uploads more than it should: {slow:.2f} s"
+    assert fast < least / 2, f"uncapped uploads took {fast:.2f} s"
+
+
+def test_token_bucket_close_wakes_waiters():
+    import threading
+
+    from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
+
+    b = TokenBucket(1000)
+    b.acquire(100)  # burst credit: immediate
+    errors = []
+
+    def wait_long() -> None:
+        try:
+            b.acquire(1_000_000)  # ~1000 s at this rate
+        except BandwidthLimiterClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait_long)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    b.close()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1 and time.monotonic() - t0 < 2
+    with pytest.raises(BandwidthLimiterClosed):
+        b.acquire(1)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        TokenBucket(0)
+
+
+def test_truncating_a_tiered_segment_never_resurrects_old_bytes(mount_store, reference_store):
+    """open(O_TRUNC) and truncate(2) of an evicted segment: the file leaves the tiered state first, so blocks
+    of the old generation are never fetched into the new content."""
+    m = mount_store(options=[TIER_OPTS])
+    copy_in(reference_store, m.mnt)
+    wait_for(lambda: len(status(m)["files"]) >= len(segments(reference_store)) - 2, timeout=60, what="sealing")
+    wait_tiered_and_evicted(m, [f["path"] for f in status(m)["files"]])
+    evicted = [f["path"] for f in status(m)["files"]
+               if f["kind"] == "commitlog" and f["state"] == "tiered" and f["resident_bytes"] < f["size"]]
+    assert len(evicted) >= 2
+    replaced, shortened = evicted[:2]
+    new = os.urandom(300_000)
+    with open(m.mnt / replaced, "wb") as f:  # O_TRUNC, then a shorter, different content
+        f.write(new)
+        f.flush()
+        os.fsync(f.fileno())
+    os.truncate(m.mnt / shortened, 200_000)
+    for rel in (replaced, shortened):
+        evict(m.mnt / rel)
+    assert (m.mnt / replaced).read_bytes() == new
+    assert (m.mnt / shortened).read_bytes() == (reference_store / shortened).read_bytes()[:200_000]
+    files = by_path(m)
+    assert files[replaced]["generation"] == 1 and files[replaced]["state"] == "hot", files[replaced]
+    assert files[shortened]["generation"] == 1 and files[shortened]["state"] == "hot"
+    m.umount()
+    m.mount()
+    assert (m.mnt / replaced).read_bytes() == new

@@ -1,4 +1,4 @@
-"""`tierfs` command line: mount, umount, status, config-doc.
+"""`tierfs` command line: mount, umount, status, fsck, config-doc.
 
 `tierfs mount` daemonises by re-running itself with --foreground in a new session (no fork after threads),
 then returns once the mount answers a stat through the kernel, or prints the daemon's log tail if it died.
@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,35 +25,77 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
+def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
+    """(hot dir, mountpoint) of a mount. `--read-only --from URL MOUNTPOINT`: the store comes from the bucket's
+    newest catalog snapshot, and the hot dir is a local cache of it (CACHE_DIR/tree); config gets the store."""
+    if not args.read_only:
+        if args.from_url or args.cache_dir:
+            raise ValueError("--from and --cache-dir go with --read-only (a writable mount has its own HOT_DIR)")
+        if args.mountpoint is None:
+            args.parser.error("the following arguments are required: MOUNTPOINT")
+        return args.hot_dir, args.mountpoint
+    if not args.from_url:
+        raise ValueError("--read-only needs --from file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+    if args.mountpoint is not None:
+        raise ValueError("a read-only mount takes one directory, the MOUNTPOINT: the store comes from --from, "
+                         "and --cache-dir holds what was fetched")
+    from tierfs.tier.snapshot import default_cache_dir, split_from_url  # noqa: PLC0415
+
+    url, sid = split_from_url(args.from_url)
+    for key, value in (("objectstore.url", url), ("store.id", sid)):
+        if config[key] and config[key].rstrip("/") != value:
+            raise ValueError(f"config key '{key}' is {config[key]!r} but --from names {value!r}; drop one of them")
+        config.set(key, value)
+    if url.startswith("file://") and not os.path.isdir(url[len("file://"):]):
+        raise ValueError(f"--from {args.from_url}: {url[len('file://'):]} is not a directory")
+    cache = Path(args.cache_dir or default_cache_dir(args.from_url)).absolute()
+    try:
+        (cache / "tree").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the read-only cache {cache / 'tree'} ({e.strerror}); "
+                         f"choose a directory with --cache-dir") from None
+    return str(cache / "tree"), args.hot_dir
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     from tierfs.fs.mount import MountError, check_paths, serve, wait_until_mounted
 
     try:
         config = Config.load(args.config, args.options or ())
-        paths = check_paths(args.hot_dir, args.mountpoint)
-    except (ConfigError, MountError) as e:
+        hot_dir, mountpoint = _mount_dirs(args, config)
+        paths = check_paths(hot_dir, mountpoint)
+    except (ConfigError, ValueError, MountError) as e:  # ValueError: a bad --from URL or cache dir
         return _fail(str(e))
     if args.foreground:
         try:
-            return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True)
+            return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True,
+                         read_only=args.read_only)
         except MountError as e:
             return _fail(str(e))
     log_file = paths.log_file(config)
     paths.state.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "tierfs", "mount", str(paths.hot), str(paths.mountpoint), "--foreground"]
+    if args.read_only:
+        cmd[4:5] = ["--read-only", "--from", args.from_url, "--cache-dir", str(paths.hot.parent)]
     if args.config:
         cmd += ["--config", os.path.abspath(args.config)]
     for o in args.options or ():
         cmd += ["-o", o]
-    err_file = paths.state / "daemon.stderr"
-    with open(os.devnull, "rb") as devnull, open(err_file, "wb") as err:
+    # A fresh file per attempt: a mount refused because a daemon already serves this hot dir must not clobber
+    # that daemon's daemon.stderr. It takes the name once the new daemon serves (and so holds the hot dir).
+    fd, tmp = tempfile.mkstemp(prefix="daemon.stderr.", dir=paths.state)
+    err_file = Path(tmp)
+    with open(os.devnull, "rb") as devnull, os.fdopen(fd, "wb") as err:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, start_new_session=True, close_fds=True)
     if not wait_until_mounted(paths.mountpoint, proc.pid):
         tail = err_file.read_text(errors="replace").strip().splitlines()[-15:]
         if proc.poll() is None:
             proc.terminate()
+        err_file.unlink(missing_ok=True)
         return _fail("mount failed:\n  " + "\n  ".join(tail or ["(no output)"]) + f"\nlog: {log_file}", 1)
-    print(f"tierfs: mounted {paths.hot} at {paths.mountpoint} (pid {proc.pid}, log {log_file})")
+    os.replace(err_file, paths.state / "daemon.stderr")
+    src = f"{args.from_url} read-only (cache {paths.hot.parent})" if args.read_only else paths.hot
+    print(f"tierfs: mounted {src} at {paths.mountpoint} (pid {proc.pid}, log {log_file})")
     return 0
 
 
@@ -124,6 +167,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from tierfs.fsck import run  # noqa: PLC0415
+
+    return run(args.target, deep=args.deep, repair=args.repair, as_json=args.json, stale_after=args.stale_after,
+               jobs=args.jobs)
+
+
 def cmd_config_doc(args: argparse.Namespace) -> int:
     print(schema_markdown())
     return 0
@@ -132,14 +182,22 @@ def cmd_config_doc(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierfs", description="Tiered FUSE store for Apache RocketMQ.")
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("mount", help="mount a store backed by HOT_DIR at MOUNTPOINT")
-    m.add_argument("hot_dir", metavar="HOT_DIR")
-    m.add_argument("mountpoint", metavar="MOUNTPOINT")
+    m = sub.add_parser("mount", help="mount a store backed by HOT_DIR at MOUNTPOINT",
+                       description="tierfs mount HOT_DIR MOUNTPOINT, or read-only from a bucket: "
+                                   "tierfs mount --read-only --from URL MOUNTPOINT")
+    m.add_argument("hot_dir", metavar="HOT_DIR", help="the local hot dir (with --read-only: the MOUNTPOINT)")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?")
+    m.add_argument("--read-only", action="store_true",
+                   help="serve the newest catalog snapshot of a store from the object store alone (EROFS on writes)")
+    m.add_argument("--from", dest="from_url", metavar="URL",
+                   help="with --read-only: file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+    m.add_argument("--cache-dir", metavar="DIR",
+                   help="with --read-only: local cache (default /var/cache/tierfs/<store id>-<hash>)")
     m.add_argument("--config", metavar="FILE", help="TOML configuration file")
     m.add_argument("-o", dest="options", action="append", metavar="KEY=VALUE[,...]",
                    help="override configuration keys, e.g. -o mount.log_level=debug")
     m.add_argument("--foreground", "-f", action="store_true", help="serve in this process (do not daemonise)")
-    m.set_defaults(func=cmd_mount)
+    m.set_defaults(func=cmd_mount, parser=m)
     u = sub.add_parser("umount", help="flush and unmount; waits for the daemon to exit")
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.set_defaults(func=cmd_umount)
@@ -147,6 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+    from tierfs.pipeline_cli import add_parsers as add_pipeline_parsers  # noqa: PLC0415
+
+    add_pipeline_parsers(sub)
+    f = sub.add_parser("fsck", help="compare catalog, hot dir and object store; --repair fixes what is safe",
+                       description="Exit codes: 0 clean, 1 damage found, 2 usage error, 3 check incomplete "
+                                   "(object store unreachable).")
+    f.add_argument("target", metavar="HOT_DIR_OR_MOUNTPOINT")
+    f.add_argument("--deep", action="store_true", help="also verify the crc32c of every object and resident block")
+    f.add_argument("--repair", action="store_true", help="fix what is safe (the store must be unmounted)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON (no progress bar)")
+    f.add_argument("--stale-after", type=float, metavar="SECONDS", default=None,
+                   help="multipart uploads older than this are stale (default: any when unmounted, 3600 mounted)")
+    f.add_argument("--jobs", type=int, default=4, metavar="N", help="objects verified in parallel with --deep")
+    f.set_defaults(func=cmd_fsck)
     c = sub.add_parser("config-doc", help="print every configuration key with its default (Markdown)")
     c.set_defaults(func=cmd_config_doc)
     return p

@@ -17,6 +17,7 @@ DIR_INODE = 1 << 62
 _FIRST_FILE_INODE = DIR_INODE + 1
 
 Provider = Callable[[], str]
+SIZE_REUSE_SECONDS = 1.0
 
 
 class ControlDir:
@@ -26,6 +27,7 @@ class ControlDir:
         self._names: dict[int, str] = {}
         self._uid, self._gid = uid, gid
         self._mounted_ns = time.time_ns()
+        self._rendered: dict[int, tuple[float, bytes]] = {}
 
     def add(self, name: str, provider: Provider) -> None:
         ino = _FIRST_FILE_INODE + len(self._inodes)
@@ -43,12 +45,21 @@ class ControlDir:
     def inode_of(self, name: str) -> int | None:
         return self._inodes.get(name)
 
-    def render(self, inode: int) -> bytes:
+    def render(self, inode: int, reuse: bool = False) -> bytes:
+        """The file's text, rendered now. With `reuse` (getattr and lookup, which only need a size) a render
+        younger than SIZE_REUSE_SECONDS is reused: `ls -l` or `cat` of a store with many segments then walks the
+        catalog once, not three times. Opens always render afresh, so content is never stale."""
+        now = time.monotonic()
+        hit = self._rendered.get(inode)
+        if reuse and hit is not None and now - hit[0] < SIZE_REUSE_SECONDS:
+            return hit[1]
         name = self._names[inode]
         try:
-            return self._providers[name]().encode()
+            text = self._providers[name]().encode()
         except Exception as e:  # an inspection bug must never take the mount down
-            return f"error rendering {name}: {type(e).__name__}: {e}\n".encode()
+            text = f"error rendering {name}: {type(e).__name__}: {e}\n".encode()
+        self._rendered[inode] = (now, text)
+        return text
 
     def attrs(self, inode: int, size: int | None = None) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -63,7 +74,7 @@ class ControlDir:
         else:
             a.st_mode = stat.S_IFREG | 0o444
             a.st_nlink = 1
-            a.st_size = len(self.render(inode)) if size is None else size
+            a.st_size = len(self.render(inode, reuse=True)) if size is None else size
         a.st_uid, a.st_gid = self._uid, self._gid
         now = time.time_ns()
         a.st_atime_ns = now

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -134,7 +135,18 @@ def tune_kernel(mountpoint: Path, config: Config) -> None:
     major, minor = dev
     ra = int(config["mount.read_ahead_kb"])
     if ra:
-        _write_sys(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb", ra)
+        # The kernel sets the bdi's read-ahead when it processes our INIT reply, which can land after a write
+        # made too early: a stat through the mount waits until INIT is done, and a re-check catches the rest.
+        try:
+            os.stat(mountpoint)
+        except OSError:
+            pass
+        ra_file = f"/sys/class/bdi/{major}:{minor}/read_ahead_kb"
+        for _ in range(3):
+            _write_sys(ra_file, ra)
+            time.sleep(0.5)
+            if _read_sys(ra_file) in (ra, None):
+                break
     bg = int(config["mount.max_background"])
     if bg:
         ctl = Path("/sys/fs/fuse/connections")
@@ -145,6 +157,14 @@ def tune_kernel(mountpoint: Path, config: Config) -> None:
             conn = ctl / str(minor)
         _write_sys(str(conn / "max_background"), bg)
         _write_sys(str(conn / "congestion_threshold"), max(bg * 3 // 4, 1))
+
+
+def _read_sys(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_sys(path: str, value: int) -> None:
@@ -186,30 +206,66 @@ class _DaemonLock:
                              f"unmount it first") from None
 
 
-def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = True) -> int:
-    """Mount and serve until unmounted or signalled. Returns the process exit code."""
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: every file the broker holds open (thousands of segments
+    and ConsumeQueue files) holds one backing fd here, and a soft limit of 1024 would turn that into EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # NOFILE cannot be unlimited: the kernel caps it at fs.nr_open
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("could not raise the open-file limit from %d to %d (%s)", soft, target, e)
+    return soft, hard
+
+
+def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = True,
+          read_only: bool = False) -> int:
+    """Mount and serve until unmounted or signalled. Returns the process exit code. `read_only`: HOT_DIR is the
+    cache of a mount from the bucket's newest catalog snapshot (objectstore.url and store.id name the store)."""
+
     paths = check_paths(hot_dir, mountpoint)
     lock = _DaemonLock(paths)
     setup_logging(paths.log_file(config), config["mount.log_level"], foreground_log)
+    log.info("open-file limit %d (hard %d)", *raise_fd_limit())
     os.umask(0)  # the request's umask is applied per request, once
     stats = FsStats()
+    from tierfs.metrics import Metrics  # noqa: PLC0415
+
+    metrics = Metrics(config)
+    try:
+        metrics.start_listener()  # before the engine: a taken port refuses the mount before anything is held
+    except OSError as e:
+        raise MountError(e.strerror) from None
     from tierfs.tier.engine import Engine  # noqa: PLC0415
+    from tierfs.tier.lease import LeaseHeld  # noqa: PLC0415
 
     engine = None
-    if config["tiering.enabled"]:
+    if config["tiering.enabled"] or read_only:
         try:
-            engine = Engine(paths.hot, paths.state, config)
-        except ValueError as e:  # ConfigError and bad object store settings: refuse, naming the key
+            engine = Engine(paths.hot, paths.state, config, read_only=read_only)
+            if not read_only:
+                engine.take_lease(paths.mountpoint)  # one writable mount per store id
+        except (ValueError, LeaseHeld) as e:  # ConfigError, bad store settings or snapshot, a lease held elsewhere
             raise MountError(str(e)) from None
         engine.reconcile()
     ops = TierOperations(str(paths.hot), config, stats, engine)
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
 
     install_views(ops, paths, config)
+    metrics.install(ops)
     options = set(pyfuse3.default_options)
     options |= {f"fsname={paths.hot}", "subtype=tierfs"}
     if config["mount.allow_other"]:
         options.add("allow_other")
+    if read_only:
+        options |= {"ro", "nosuid", "nodev"}  # the kernel refuses writes too; nothing from a bucket is trusted
     log.info("tierfs %s mounting %s at %s (pid %d)", __version__, paths.hot, paths.mountpoint, os.getpid())
     pyfuse3.init(ops, str(paths.mountpoint), options)
     paths.pid_file.write_text(f"{os.getpid()}\n")
@@ -222,6 +278,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         raise
     finally:
         pyfuse3.close(unmount=True)
+        metrics.stop_listener()
         if clean:
             paths.pid_file.unlink(missing_ok=True)
             log.info("unmounted %s; clean exit", paths.mountpoint)

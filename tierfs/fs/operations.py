@@ -12,6 +12,7 @@ import ctypes
 import errno
 import functools
 import logging
+import math
 import os
 import stat
 import time
@@ -34,6 +35,9 @@ log = logging.getLogger("tierfs.fs")
 STATE_DIR_NAME = ".tierfs"  # inside the hot dir: catalog, lock, log. Shadowed by the control dir in the mount.
 _CONTROL_FH_BASE = 1 << 40
 _EXPECTED_ERRNOS = frozenset((errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EAGAIN))
+# answered EROFS on a read-only mount (the kernel's `ro` refuses most of them first; this is the backstop)
+_MODIFYING = frozenset(("setattr", "mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "create",
+                        "write", "setxattr", "removexattr", "fallocate"))
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
@@ -54,6 +58,8 @@ def _handler(name: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..
             try:
                 if failpoints.enabled():
                     failpoints.hit("fs." + name)
+                if self.read_only and name in _MODIFYING:
+                    raise pyfuse3.FUSEError(errno.EROFS)
                 return await fn(self, *args)
             except pyfuse3.FUSEError as e:
                 failed = e.errno not in _EXPECTED_ERRNOS
@@ -75,13 +81,19 @@ def _handler(name: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..
     return deco
 
 
-class _DirHandle:
-    __slots__ = ("inode", "path", "names")
+# Directories up to this st_size are listed on the loop: a listdir of a few hundred names takes microseconds, a
+# worker-thread hop ~100 us, and a store with 100,000 ConsumeQueue files has tens of thousands of small dirs.
+_INLINE_LISTDIR_BYTES = 32 << 10
 
-    def __init__(self, inode: int, path: str):
+
+class _DirHandle:
+    __slots__ = ("inode", "path", "names", "small")
+
+    def __init__(self, inode: int, path: str, small: bool = False):
         self.inode = inode
         self.path = path
         self.names: list[str] | None = None
+        self.small = small
 
 
 class TierOperations(pyfuse3.Operations):
@@ -102,6 +114,7 @@ class TierOperations(pyfuse3.Operations):
         self._next_handle = 1
         self._is_root = os.geteuid() == 0
         self.engine = engine
+        self.read_only = bool(getattr(engine, "read_only", False))  # a mount from a bucket snapshot
         self._tiered: dict[int, Any] = engine.tiered if engine is not None else {}
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._unlinked_stat: dict[int, os.stat_result] = {}  # last attributes of unlinked inodes, until forget
@@ -250,7 +263,7 @@ class TierOperations(pyfuse3.Operations):
         if fields.update_size:
             t = self._tiered.get(inode)
             if t is not None and self.engine is not None:
-                await self.engine.before_write(t, inode, t.size, b"")
+                await self.engine.before_truncate(t, inode, attr.st_size)
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -297,22 +310,30 @@ class TierOperations(pyfuse3.Operations):
         """Bytes of tiered segments that are not on the local disk (the store's size beyond the hot dir)."""
         if self.engine is None:
             return 0
-        return max(sum(e.size for e in self._tiered.values()) - self.engine.cache_bytes, 0)
+        return max(self.engine.tiered.total_bytes - self.engine.cache_bytes, 0)  # kept as it changes: O(1)
 
     def capacity_blocks(self, sv: os.statvfs_result, remote_bytes: int = 0) -> tuple[int, int, int]:
-        """(blocks, free, available) the broker plans against (DESIGN §9). Used = local use plus tiered bytes
-        that live only remotely, so the broker's disk-ratio retention follows the store's logical size; with
-        statfs.capacity_bytes the total is the configured capacity, but never more free space than the hot dir
-        really has, so real local pressure from unsealed data shows through."""
+        """(blocks, free, available) the broker plans against (DESIGN §9). The broker acts on one number,
+        used / (used + available) with used = blocks - free (format §11: > 75 % deletes, > 85 % deletes
+        regardless of age, > 90 % rejects writes), so that ratio is what this sets.
+
+        capacity 0: the hot dir's own numbers. Remote-only bytes count nowhere: tiering frees local space and
+        retention follows time, as the store may outgrow the local disk.
+        capacity C: the total is C, and the ratio is the larger of the store's logical use (local use plus
+        remote-only bytes) over C and the hot dir's own ratio, so retention follows the configured capacity
+        and real local pressure from unsealed data still shows through. Available never exceeds what the hot
+        dir really has; used is scaled to give the ratio (df's Use% is the same ratio)."""
         cap = int(self.config["statfs.capacity_bytes"])
-        remote = remote_bytes // sv.f_frsize
         if not cap:
-            return sv.f_blocks + remote, sv.f_bfree, sv.f_bavail
+            return sv.f_blocks, sv.f_bfree, sv.f_bavail
         blocks = max(cap // sv.f_frsize, 1)
-        used = sv.f_blocks - sv.f_bfree + remote
-        free = max(min(blocks - used, sv.f_bfree), 0)
-        avail = max(min(blocks - used, sv.f_bavail), 0)
-        return blocks, free, avail
+        local_used = sv.f_blocks - sv.f_bfree
+        local = local_used / (local_used + sv.f_bavail) if local_used + sv.f_bavail else 1.0
+        logical = (local_used + remote_bytes // sv.f_frsize) / blocks
+        ratio = min(max(local, logical), 1.0)
+        avail = min(sv.f_bavail, int(blocks * (1.0 - ratio)))
+        used = blocks - avail if avail == 0 else min(math.ceil(ratio * avail / (1.0 - ratio)), blocks - avail)
+        return blocks, blocks - used, avail
 
     # ---------------------------------------------------------------- namespace changes
 
@@ -415,6 +436,8 @@ class TierOperations(pyfuse3.Operations):
             self._next_handle += 1
             self._control_fh[fh] = self.control.render(inode)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        if self.read_only and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
+            raise pyfuse3.FUSEError(errno.EROFS)
         rel = self.inodes.path(inode)
         if rel is None:  # unlinked, but the kernel still holds it (open by handle): reopen through /proc
             fd0 = self.inodes.any_fd(inode)
@@ -422,8 +445,17 @@ class TierOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
         else:
+            await self._before_o_trunc(inode, flags)
             fd = os.open(self._full(rel), self._backing_flags(flags))
         return self._new_file_handle(inode, fd, rel)
+
+    async def _before_o_trunc(self, inode: int, flags: int) -> None:
+        """The kernel passes O_TRUNC to open (atomic_o_trunc): a tiered segment must leave the tiered state
+        before its hot file is emptied, exactly as for a truncating setattr."""
+        if flags & os.O_TRUNC and self.engine is not None:
+            t = self._tiered.get(inode)
+            if t is not None:
+                await self.engine.before_truncate(t, inode, 0)
 
     @_handler("create")
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
@@ -437,6 +469,7 @@ class TierOperations(pyfuse3.Operations):
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
+            await self._before_o_trunc(os.lstat(full).st_ino, flags)
             fd = os.open(full, bflags)
         try:
             entry = self._entry(rel)
@@ -468,7 +501,18 @@ class TierOperations(pyfuse3.Operations):
             if t is not None and not await self.engine.before_write(t, ino, off, buf):
                 return len(buf)  # identical rewrite of tiered bytes: nothing changes
             self.engine.note_write(ino)
-        n = os.pwrite(fh, buf, off)
+        if not self.enable_writeback_cache:
+            n = os.pwrite(fh, buf, off)
+        else:
+            # With the writeback cache the kernel owns mtime: it stamps it at write(2) or page-fault time and
+            # sends it as SETATTR(mtime) when it flushes the inode; this WRITE arrives later (writeback, close),
+            # so it must not move the backing file's mtime, or the hot file would say "written at writeback time".
+            st = os.fstat(fh)
+            n = os.pwrite(fh, buf, off)
+            try:
+                os.utime(fh, ns=(st.st_atime_ns, st.st_mtime_ns))
+            except PermissionError:
+                pass  # a non-root daemon writing a file it does not own: the writeback time has to do
         self.stats.bytes_written += n
         return n
 
@@ -502,29 +546,38 @@ class TierOperations(pyfuse3.Operations):
 
     @_handler("opendir")
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        small = False
         if not control.ControlDir.owns(inode):
             rel = self._rel(inode)
-            if not stat.S_ISDIR(os.lstat(self._full(rel)).st_mode):
+            st = os.lstat(self._full(rel))
+            if not stat.S_ISDIR(st.st_mode):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
+            small = st.st_size <= _INLINE_LISTDIR_BYTES
         else:
             rel = ""
         h = self._next_handle
         self._next_handle += 1
-        self._dirs[h] = _DirHandle(inode, rel)
+        self._dirs[h] = _DirHandle(inode, rel, small)
         return h
 
     @_handler("readdir")
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         d = self._dirs[fh]
         if control.ControlDir.owns(d.inode):
-            names = self.control.names()
+            # like every other dir here, '.' and '..' come first (neither pyfuse3 nor the kernel adds them)
+            names = [".", ".."] + self.control.names()
             for i in range(start_id, len(names)):
-                ino = self.control.inode_of(names[i])
-                if not pyfuse3.readdir_reply(token, names[i].encode(), self.control.attrs(ino), i + 1):
+                if i == 0:
+                    attrs = self.control.attrs(control.DIR_INODE)
+                elif i == 1:
+                    attrs = self._attrs(os.lstat(self.hot), ROOT)
+                else:
+                    attrs = self.control.attrs(self.control.inode_of(names[i]))
+                if not pyfuse3.readdir_reply(token, names[i].encode(), attrs, i + 1):
                     return
             return
         if d.names is None or start_id == 0:
-            d.names = await trio.to_thread.run_sync(self._list_dir, d.path)
+            d.names = self._list_dir(d.path) if d.small else await trio.to_thread.run_sync(self._list_dir, d.path)
         names = d.names
         prefix = d.path + "/" if d.path else ""
         for i in range(start_id, len(names)):

@@ -177,13 +177,13 @@ class PosixObjectStore(ObjectStore):
         """
         directory, name = os.path.split(path)
         for attempt in range(5):
-            self._makedirs(directory)
             tmp = os.path.join(directory, f"{_TMP}{secrets.token_hex(8)}.{name}")
             try:
+                self._makedirs(directory)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 break
-            except FileNotFoundError:  # a concurrent delete pruned the empty directory: make it again
-                if attempt == 4:
+            except FileNotFoundError:  # a concurrent delete pruned an empty directory on the way: make it again
+                if attempt == 4 or not os.path.isdir(self.root):
                     raise
         try:
             try:

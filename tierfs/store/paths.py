@@ -24,9 +24,13 @@ class Kind(str, enum.Enum):
         return self is not Kind.MUTABLE
 
 
-_OFFSET = re.compile(r"^\d{20}$")
-_INDEX = re.compile(r"^\d{17}$")
-_QUEUE_ID = re.compile(r"^-?\d+$")
+# ASCII digits and fullmatch: `\d` also takes other scripts' digits, and `$` matches before a trailing newline
+_OFFSET = re.compile(r"[0-9]{20}")
+_INDEX = re.compile(r"[0-9]{17}")
+_QUEUE_ID = re.compile(r"-?[0-9]+")
+# A topic dir name the broker cannot have made (it allows [%|a-zA-Z0-9_-]) and an object key cannot carry:
+# control characters, and bytes that are not UTF-8 (surrogate escapes). Such a tree stays local.
+_BAD_TOPIC = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
 _QUEUE_LOGS = {"consumequeue": Kind.CONSUMEQUEUE, "consumequeue_ext": Kind.CONSUMEQUEUE_EXT,
                "batchconsumequeue": Kind.BATCHCONSUMEQUEUE}
 
@@ -37,11 +41,12 @@ def classify(rel_path: str) -> Kind:
     name = parts[-1]
     if len(parts) == 2:
         top = parts[0]
-        if top in ("commitlog", "timerlog") and _OFFSET.match(name):
+        if top in ("commitlog", "timerlog") and _OFFSET.fullmatch(name):
             return Kind.COMMITLOG if top == "commitlog" else Kind.TIMERLOG
-        if top == "index" and _INDEX.match(name):
+        if top == "index" and _INDEX.fullmatch(name):
             return Kind.INDEX
-    elif len(parts) == 4 and parts[0] in _QUEUE_LOGS and _QUEUE_ID.match(parts[2]) and _OFFSET.match(name):
+    elif (len(parts) == 4 and parts[0] in _QUEUE_LOGS and _QUEUE_ID.fullmatch(parts[2]) and _OFFSET.fullmatch(name)
+          and parts[1] and not _BAD_TOPIC.search(parts[1])):
         return _QUEUE_LOGS[parts[0]]
     return Kind.MUTABLE
 
@@ -49,4 +54,4 @@ def classify(rel_path: str) -> Kind:
 def segment_start_offset(rel_path: str) -> int | None:
     """The file's start offset encoded in its 20-digit name, or None for non-offset-named files."""
     name = rel_path.rsplit("/", 1)[-1]
-    return int(name) if _OFFSET.match(name) else None
+    return int(name) if _OFFSET.fullmatch(name) else None

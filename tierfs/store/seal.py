@@ -11,12 +11,13 @@ import struct
 from dataclasses import dataclass
 
 from tierfs.store import consumequeue, indexfile
-from tierfs.store.commitlog import BLANK_MAGIC, sealed_commitlog_end
+from tierfs.store.commitlog import BLANK_MAGIC, MAGIC_V1, MAGIC_V2, sealed_commitlog_end
 from tierfs.store.paths import Kind
 
 TIMERLOG_UNIT = 52
 TIMERLOG_BLANK = 16
 _TIMER_HEAD = struct.Struct(">iqi")  # size, prevPos/0, magic
+_CQ_UNIT = struct.Struct(">qiq")  # commitlog offset, size, tags code
 
 
 @dataclass(frozen=True)
@@ -30,22 +31,40 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
     try:
         if kind is Kind.COMMITLOG:
             end = sealed_commitlog_end(buf, size)
-            return (True, f"BLANK at {end}") if end is not None else (False, "no valid terminal BLANK")
+            if end is not None:
+                return True, f"BLANK at {end}"
+            magic = struct.unpack_from(">i", buf, 4)[0] if size >= 8 else 0
+            if magic not in (0, MAGIC_V1, MAGIC_V2, BLANK_MAGIC):
+                return False, f"corrupt: unknown magic {magic & 0xFFFFFFFF:#010x} at 0"
+            return False, "no valid terminal BLANK"
         if kind in (Kind.CONSUMEQUEUE, Kind.BATCHCONSUMEQUEUE):
             unit = consumequeue.UNIT_SIZE if kind is Kind.CONSUMEQUEUE else 46
             if size < unit or size % unit:
                 return False, f"size {size} is not a multiple of {unit}"
             off, usize = struct.unpack_from(">qi", buf, size - unit)
-            ok = off >= 0 and usize > 0
-            return (ok, "last unit valid") if ok else (False, "last unit not written")
+            if off == 0 and usize == 0:
+                return False, "last unit not written"
+            if not (off >= 0 and usize > 0):
+                return False, f"corrupt: last unit (offset {off}, size {usize}) is neither valid nor empty"
+            if kind is Kind.CONSUMEQUEUE:
+                bad = _consumequeue_corruption(buf, size)
+                if bad:
+                    return False, f"corrupt: {bad}"
+            return True, "last unit valid"
         if kind is Kind.INDEX:
             want = indexfile.index_file_size(params.max_hash_slot_num, params.max_index_num)
             if size != want:
                 return False, f"size {size} != {want} (broker.max_hash_slot_num/max_index_num)"
-            h = indexfile.decode_header(buf)
-            if h.index_count >= params.max_index_num:
-                return True, "index full"
-            return False, f"index count {h.index_count} < {params.max_index_num}"
+            h = indexfile.decode_header(buf, raw=True)
+            bad = _index_header_corruption(h, params)
+            if bad:
+                return False, f"corrupt header: {bad}"
+            if h.index_count < params.max_index_num:
+                return False, f"index count {h.index_count} < {params.max_index_num}"
+            last = indexfile.decode_item(buf, params.max_index_num - 1, params.max_hash_slot_num)
+            if last.key_hash < 0 or last.time_diff < 0 or not 0 <= last.prev_index < params.max_index_num - 1:
+                return False, f"corrupt: last item {tuple(last)} cannot have been written by the broker"
+            return True, "index full"
         if kind is Kind.TIMERLOG:
             return _timerlog_sealed(buf, size)
         if kind is Kind.CONSUMEQUEUE_EXT:
@@ -53,6 +72,39 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
         return False, "mutable file"
     except (struct.error, ValueError, IndexError, TypeError) as e:
         return False, f"unreadable: {e}"
+
+
+def _consumequeue_corruption(buf, size: int) -> str | None:
+    """Why a full ConsumeQueue file cannot be the broker's, or None. The broker appends units in CommitLog order
+    and skips any unit whose end (offset + size) is not past the queue's last one (`putMessagePositionInfo`), so
+    every unit is valid and unit ends strictly increase, after an optional prefix of pre-blank units."""
+    prev_end = -1
+    pre_blank = True
+    with memoryview(buf) as mv:
+        for i, (off, usize, tags) in enumerate(_CQ_UNIT.iter_unpack(mv[:size])):
+            if pre_blank and (off, usize, tags) == consumequeue.PRE_BLANK:
+                continue
+            pre_blank = False
+            if off < 0 or usize <= 0:
+                return f"unit {i} (offset {off}, size {usize}) is not valid before the last written unit"
+            if off + usize <= prev_end:
+                return f"unit {i} (offset {off}, size {usize}) does not end after the unit before it"
+            prev_end = off + usize
+    return None
+
+
+def _index_header_corruption(h: indexfile.IndexHeader, params: SealParams) -> str | None:
+    """Why an IndexFile header cannot be the broker's, or None (the counters never pass their maxima)."""
+    if not 0 <= h.index_count <= params.max_index_num:
+        return f"index count {h.index_count} is outside 0..{params.max_index_num} (broker.max_index_num)"
+    if not 0 <= h.hash_slot_count <= params.max_hash_slot_num:
+        return (f"hash slot count {h.hash_slot_count} is outside 0..{params.max_hash_slot_num} "
+                "(broker.max_hash_slot_num)")
+    if h.begin_phy_offset < 0 or h.end_phy_offset < h.begin_phy_offset:
+        return f"phy offsets {h.begin_phy_offset}..{h.end_phy_offset} are not an increasing range"
+    if h.begin_timestamp < 0 or h.end_timestamp < h.begin_timestamp:
+        return f"timestamps {h.begin_timestamp}..{h.end_timestamp} are not an increasing range"
+    return None
 
 
 def _timerlog_sealed(buf, size: int) -> tuple[bool, str]:

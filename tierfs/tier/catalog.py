@@ -64,9 +64,18 @@ class Entry:
         return min(self.block_bytes, self.size - block * self.block_bytes)
 
     def resident_bytes(self) -> int:
+        """Bytes present locally: a popcount of the bitmap, not a per-block loop (status and metrics walk every
+        row, and a 1 GiB CommitLog has 1024 blocks)."""
         if self.state is not State.TIERED:
             return self.size
-        return sum(self.block_len(b) for b in range(self.nblocks) if self.is_resident(b))
+        nb = self.nblocks
+        if not nb:
+            return 0
+        bits = int.from_bytes(self.resident, "little") & ((1 << nb) - 1)  # bits past the last block are padding
+        n = bits.bit_count() * self.block_bytes
+        if bits >> (nb - 1) & 1:
+            n -= nb * self.block_bytes - self.size  # the last block is short
+        return n
 
 
 _SCHEMA = """
@@ -92,7 +101,29 @@ CREATE TABLE IF NOT EXISTS pending_deletes (
     not_before REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS artifacts (
+    path TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    keys TEXT NOT NULL,
+    info TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (path, kind)
+);
 """
+
+
+@dataclass
+class Artifact:
+    """Something the pipeline derived from one generation of a segment: a .cidx sidecar or its archive files.
+    `info` holds what readers need without a GET (e.g. a sidecar's time range)."""
+
+    path: str
+    kind: str  # cidx | archive
+    generation: int
+    keys: list[str]
+    info: dict
+    created: float = 0.0
 
 _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "chunk_bytes", "block_bytes",
          "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since")
@@ -127,15 +158,18 @@ class Catalog:
                      objects=json.loads(d["objects"]), resident=bytearray(d["resident"]),
                      last_access=d["last_access"], state_since=d["state_since"])
 
+    @staticmethod
+    def _row(e: Entry) -> tuple:
+        return (e.path, e.kind, e.size, e.mtime_ns, e.state.value, e.generation, e.format, e.chunk_bytes,
+                e.block_bytes, e.crc32c, json.dumps(e.block_crcs), json.dumps(e.objects), bytes(e.resident),
+                e.last_access, e.state_since)
+
     def put(self, e: Entry) -> None:
         """Insert or replace a row, durably (one transaction)."""
         e.state_since = e.state_since or time.time()
-        vals = (e.path, e.kind, e.size, e.mtime_ns, e.state.value, e.generation, e.format, e.chunk_bytes,
-                e.block_bytes, e.crc32c, json.dumps(e.block_crcs), json.dumps(e.objects), bytes(e.resident),
-                e.last_access, e.state_since)
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
-                             vals)
+                             self._row(e))
 
     def save_residency(self, entries: list[Entry]) -> None:
         """Persist resident bitmaps and access times of several entries in one transaction."""
@@ -158,6 +192,57 @@ class Catalog:
         with self._lock:
             self._db.execute("DELETE FROM files WHERE path=?", (new,))
             self._db.execute("UPDATE files SET path=? WHERE path=?", (new, old))
+            self._db.execute("DELETE FROM artifacts WHERE path=?", (new,))
+            self._db.execute("UPDATE artifacts SET path=? WHERE path=?", (new, old))
+
+    def swap(self, e: Entry, delete_keys: list[str], not_before: float) -> None:
+        """Replace a row (e.g. raw -> lz4c objects) and queue the replaced objects for deletion, atomically."""
+        self.put_many([e], delete_keys, not_before)
+
+    def put_many(self, entries: list[Entry], delete_keys: list[str], not_before: float,
+                 artifacts: list[Artifact] = ()) -> None:
+        """Rows, artifacts and deferred deletes in one transaction: a crash leaves all or none of them."""
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for e in entries:
+                    e.state_since = e.state_since or now
+                    self._db.execute(
+                        f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
+                        self._row(e))
+                self._db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
+                                     [(a.path, a.kind, a.generation, json.dumps(a.keys), json.dumps(a.info),
+                                       a.created or now) for a in artifacts])
+                self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
+                                     [(k, not_before) for k in delete_keys])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # -- pipeline artifacts
+
+    def artifacts(self, kind: str | None = None) -> list[Artifact]:
+        q = "SELECT path, kind, generation, keys, info, created FROM artifacts"
+        with self._lock:
+            rows = self._db.execute(q + (" WHERE kind=?" if kind else ""), (kind,) if kind else ()).fetchall()
+        return [Artifact(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]), r[5]) for r in rows]
+
+    def drop_artifacts(self, path: str, kinds: tuple[str, ...], not_before: float) -> list[str]:
+        """Forget `path`'s artifacts of these kinds (its content changed or it is gone) and queue their objects."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            rows = self._db.execute(
+                f"SELECT keys FROM artifacts WHERE path=? AND kind IN ({','.join('?' * len(kinds))})",
+                (path, *kinds)).fetchall()
+            keys = [k for r in rows for k in json.loads(r[0])]
+            self._db.execute(f"DELETE FROM artifacts WHERE path=? AND kind IN ({','.join('?' * len(kinds))})",
+                             (path, *kinds))
+            self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
+                                 [(k, not_before) for k in keys])
+            self._db.execute("COMMIT")
+        return keys
 
     # -- deferred deletes
 
@@ -189,3 +274,15 @@ class Catalog:
     def set_meta(self, k: str, v: str) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
+
+
+# The row shape, public for tables that reuse it (catalog snapshots: tierfs.tier.snapshot).
+COLUMNS = _COLS
+
+
+def entry_to_row(e: Entry) -> tuple:
+    return Catalog._row(e)
+
+
+def row_to_entry(r: tuple) -> Entry:
+    return Catalog._entry(r)

@@ -6,6 +6,9 @@ Pure bookkeeping: the engine decides what to fetch with the window this returns.
 from __future__ import annotations
 
 
+SCAN_START_BYTES = 64 << 10
+
+
 class ReadAhead:
     __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched")
 
@@ -24,7 +27,9 @@ class ReadAhead:
         elif self.next_expected is not None:
             self.window = self.initial
         self.next_expected = max(end, self.next_expected or 0) if sequential else end
-        return self.window if sequential or off == 0 else 0
+        # a large read at offset 0 starts a scan (cat, cp); a small one is a header peek (the broker reads every
+        # IndexFile's and segment's first page at start-up) and must not pull a read-ahead window in
+        return self.window if sequential or (off == 0 and end - off >= SCAN_START_BYTES) else 0
 
     def consumed(self, block: int) -> None:
         self.prefetched.discard(block)

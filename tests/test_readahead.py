@@ -1,0 +1,36 @@
+"""The per-stream read-ahead window (tierfs/tier/readahead.py): pure AIMD bookkeeping."""
+
+from tierfs.tier.readahead import SCAN_START_BYTES, ReadAhead
+
+MiB = 1 << 20
+
+
+def test_window_grows_additively_on_sequential_reads_and_caps():
+    ra = ReadAhead(initial=2, batch=2, maximum=8, tolerance=MiB)
+    assert ra.on_read(0, MiB) == 2  # a scan from the start
+    assert [ra.on_read(i * MiB, (i + 1) * MiB) for i in range(1, 6)] == [4, 6, 8, 8, 8]
+
+
+def test_window_halves_when_prefetched_blocks_expire_unread():
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    for i in range(6):
+        ra.on_read(i * MiB, (i + 1) * MiB)
+    ra.prefetched.update({10, 11})
+    before = ra.window
+    ra.expired_unread(10)
+    assert ra.window == before // 2
+    ra.expired_unread(99)  # never prefetched: no effect
+    assert ra.window == before // 2
+    ra.consumed(11)
+    ra.expired_unread(11)  # consumed before it expired: no effect
+    assert ra.window == before // 2
+
+
+def test_random_jump_resets_and_small_header_peeks_do_not_prefetch():
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    assert ra.on_read(0, 40) == 0  # the broker peeking at a header
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    assert ra.on_read(0, SCAN_START_BYTES) == 2
+    ra.on_read(SCAN_START_BYTES, 2 * SCAN_START_BYTES)
+    assert ra.on_read(500 * MiB, 500 * MiB + 4096) == 0  # random
+    assert ra.window == 2

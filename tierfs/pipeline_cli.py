@@ -1,0 +1,329 @@
+"""`tierfs compact` and `tierfs query`: the operator's handles on the Spark pipeline and its key index.
+
+`compact` asks the running daemon for a job (a request file; the daemon runs one job at a time and owns every
+catalog change) and follows the job directory: one progress bar per stage, a tick per segment.
+
+`query` answers like the broker's queryMessage (format §7.3): index files newest to oldest, only those whose time
+range overlaps, stop at --max hits; a hit whose hash collides is resolved by reading the record. Tiered index files
+with a current `.cidx` sidecar are looked up with two ranged GETs on the sidecar; every other file is walked like the
+broker does, through the mount. Records are read through the mount, so evicted CommitLog bytes are fetched as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import mmap
+import os
+import sqlite3
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tierfs.store import commitlog as cl
+from tierfs.store import indexfile as ix
+
+LONG_MAX = (1 << 63) - 1
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"tierfs: {msg}", file=sys.stderr)
+    return code
+
+
+def _mounted_state(mountpoint: str) -> tuple[Path, Path] | str:
+    """(mountpoint, state dir) of a live tierfs mount, or an error message."""
+    from tierfs.fs.mount import hot_dir_of
+
+    mnt = Path(mountpoint).resolve()
+    hot = hot_dir_of(mnt)
+    if hot is None:
+        return f"{mnt} is not a tierfs mount"
+    try:
+        (mnt / ".tierfs" / "status.json").read_bytes()
+    except OSError as e:
+        return f"{mnt} does not answer as a tierfs mount: {e.strerror}"
+    return mnt, hot / ".tierfs"
+
+
+# ---------------------------------------------------------------------------------------------- compact
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tierfs.tier.compaction import STAGES, jobs_dir, request_job, requests_dir
+
+    found = _mounted_state(args.mountpoint)
+    if isinstance(found, str):
+        return _fail(found)
+    mnt, state = found
+    stages = [args.only] if args.only else list(STAGES)
+    spark = {"spark.master": args.master} if args.master else {}
+    job_id = request_job(state, stages, spark, args.min_age)
+    job = jobs_dir(state) / job_id
+    req = requests_dir(state) / f"{job_id}.json"
+    quiet = args.json or not sys.stderr.isatty()
+    bars: dict[str, tqdm] = {}
+    pos = 0
+    t0 = time.monotonic()
+    try:
+        while not (job / "applied.json").exists():
+            if req.exists() and time.monotonic() - t0 > 20:
+                req.unlink(missing_ok=True)
+                return _fail("the daemon did not pick the job up within 20 s (is tiering.enabled false, or is "
+                             f"another job running? see {mnt}/.tierfs/status)", 1)
+            if not _daemon_alive(state):
+                return _fail(f"the daemon of {mnt} died while job {job_id} was running; remount to recover "
+                             f"(a finished job is applied at start-up)", 1)
+            if args.timeout and time.monotonic() - t0 > args.timeout:
+                return _fail(f"job {job_id} still running after {args.timeout} s; it goes on in the daemon "
+                             f"(see {mnt}/.tierfs/status)", 1)
+            pos = _follow_progress(job / "progress.jsonl", pos, bars, quiet)
+            time.sleep(0.2)
+        _follow_progress(job / "progress.jsonl", pos, bars, quiet)
+    finally:
+        for b in bars.values():
+            b.close()
+    summary = json.loads((job / "applied.json").read_text())
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(_render_summary(summary))
+    return 0 if summary.get("ok") else 1
+
+
+def _daemon_alive(state: Path) -> bool:
+    from tierfs.fs.mount import pid_alive
+
+    try:
+        return pid_alive(int((state / "daemon.pid").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def _follow_progress(path: Path, pos: int, bars: dict, quiet: bool) -> int:
+    """Read new lines of progress.jsonl from byte `pos`; update one bar per stage. Returns the new position."""
+    from tqdm import tqdm
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            chunk = f.read()
+    except FileNotFoundError:
+        return pos
+    end = chunk.rfind(b"\n") + 1  # only whole lines
+    for line in chunk[:end].splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        stage = str(rec.get("stage", "?"))
+        if "total" in rec:
+            bars[stage] = tqdm(total=int(rec["total"]), desc=f"{stage:<8}", unit="seg", disable=quiet,
+                               file=sys.stderr, leave=True)
+        elif stage in bars:
+            bars[stage].set_postfix_str(os.path.basename(str(rec.get("path", ""))) + ("" if rec.get("ok") else " !"))
+            bars[stage].update(1)
+    return pos + end
+
+
+def _render_summary(s: dict) -> str:
+    lines = [f"job {s['job_id']}: {'ok' if s.get('ok') else 'finished with errors'}"]
+    if s.get("note"):
+        lines.append(f"  {s['note']}")
+    a = s.get("applied") or {}
+    lines.append(f"  compacted segments {a.get('segments', 0)}, index sidecars {a.get('indexes', 0)}, "
+                 f"archived commitlogs {a.get('archive', 0)} ({s.get('archive_rows', 0)} rows)")
+    if s.get("bytes_out"):
+        lines.append(f"  compression: {s['bytes_in']} -> {s['bytes_out']} bytes, "
+                     f"ratio {s['bytes_in'] / s['bytes_out']:.2f}")
+    if s.get("archive_deleted"):
+        lines.append(f"  archive retention removed {s['archive_deleted']} objects")
+    for x in s.get("skipped") or []:
+        lines.append(f"  skipped {x['path']}: {x['error']}")
+    for x in s.get("errors") or []:
+        lines.append(f"  error [{x.get('stage')}] {x.get('path')}: {x.get('error')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- query
+
+
+@dataclass
+class Sidecars:
+    """Tiered index files with a current sidecar, and a counting reader of sidecar objects."""
+
+    keys: dict[str, str]  # index file name -> sidecar object key
+    headers: dict[str, bytes]  # index file name -> the sidecar's header, as verified when it was swapped in
+    read_object: Callable[[str, int, int], bytes] | None
+    gets: int = 0
+
+    def reader(self, key: str) -> Callable[[int, int], bytes]:
+        def read(off: int, length: int) -> bytes:
+            self.gets += 1
+            assert self.read_object is not None
+            return self.read_object(key, off, length)
+        return read
+
+
+def _sidecars(state: Path, index_rel: str) -> Sidecars:
+    """Which index files have a sidecar for their current generation, from the catalog (read-only)."""
+    db = state / "catalog.db"
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        rows = con.execute("SELECT a.path, a.keys, a.info FROM artifacts a JOIN files f ON f.path = a.path "
+                           "WHERE a.kind = 'cidx' AND a.generation = f.generation AND f.state = 'tiered'").fetchall()
+        con.close()
+    except sqlite3.Error:
+        rows = []
+    keys, headers = {}, {}
+    for path, k, info in rows:
+        if os.path.dirname(path) == index_rel:
+            name = os.path.basename(path)
+            keys[name] = json.loads(k)[0]
+            hdr = json.loads(info).get("header")
+            if hdr:
+                headers[name] = bytes.fromhex(hdr)
+    if not keys:
+        return Sidecars({}, {}, None)
+    from tierfs.tier import storeconfig
+
+    store = storeconfig.load(state).open()
+    return Sidecars(keys, headers, store.get_range)
+
+
+def _broker_limits(mnt: Path) -> tuple[int, int]:
+    try:
+        cfg = tomllib.loads((mnt / ".tierfs" / "config").read_text())
+        return int(cfg["broker"]["max_hash_slot_num"]), int(cfg["broker"]["max_index_num"])
+    except (OSError, KeyError, ValueError):
+        return ix.MAX_HASH_SLOT_NUM, ix.MAX_INDEX_NUM
+
+
+def query_offsets(mnt: Path, state: Path, index_dir: Path, key: str, begin: int, end: int, max_n: int
+                  ) -> tuple[list[int], dict]:
+    """Hit offsets newest to oldest, as IndexService.queryOffset, using sidecars where they exist."""
+    from tierfs.store import cidx
+
+    max_slots, max_items = _broker_limits(mnt)
+    max_n = min(max_n, ix.MAX_MSGS_NUM_BATCH)
+    rel = os.path.relpath(index_dir, mnt)
+    side = _sidecars(state, rel)
+    names = sorted(n for n in os.listdir(index_dir) if n.isdigit())
+    out: list[int] = []
+    stats = {"files_searched": 0, "files_by_sidecar": 0, "sidecar_gets": 0}
+    for name in reversed(names):
+        if name in side.headers:  # a tiered file with a sidecar: two ranged GETs, nothing read through the mount
+            h = cidx.parse_header(side.headers[name])
+            begin_ts = h.begin_timestamp
+            if ix.is_time_matched(h, begin, end):
+                stats["files_searched"] += 1
+                stats["files_by_sidecar"] += 1
+                out += cidx.lookup(side.reader(side.keys[name]), key, begin, end, max_n - len(out), header=h)
+        else:
+            with open(index_dir / name, "rb") as f:
+                header = ix.decode_header(f.read(ix.HEADER_SIZE))  # the first page stays resident: no fetch
+                begin_ts = header.begin_timestamp
+                if ix.is_time_matched(header, begin, end):
+                    stats["files_searched"] += 1
+                    if name in side.keys:
+                        stats["files_by_sidecar"] += 1
+                        out += cidx.lookup(side.reader(side.keys[name]), key, begin, end, max_n - len(out))
+                    elif os.fstat(f.fileno()).st_size:
+                        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+                            out += ix.lookup(buf, key, begin, end, max_n - len(out), max_slots, max_items)
+        if begin_ts < begin or len(out) >= max_n:
+            break
+    stats["sidecar_gets"] = side.gets
+    return out, stats
+
+
+def read_record(commitlog_dir: Path, phys: int) -> cl.Message | None:
+    """The message at CommitLog offset `phys`, read through the mount, or None if there is none."""
+    names = sorted(n for n in os.listdir(commitlog_dir) if n.isdigit())
+    base = max((int(n) for n in names if int(n) <= phys), default=None)
+    if base is None:
+        return None
+    with open(commitlog_dir / f"{base:020d}", "rb") as f:
+        pos = phys - base
+        head = os.pread(f.fileno(), 8, pos)
+        if len(head) < 8:
+            return None
+        total = int.from_bytes(head[:4], "big", signed=True)
+        if total <= 0 or total > 64 << 20:
+            return None
+        rec = cl.decode_record(os.pread(f.fileno(), total, pos), 0, check_crc=True)
+    return rec if isinstance(rec, cl.Message) else None
+
+
+def message_json(m: cl.Message, phys: int) -> dict:
+    try:
+        body: str = m.body.decode("utf-8")
+        enc = "utf-8"
+    except UnicodeDecodeError:
+        body, enc = base64.b64encode(m.body).decode(), "base64"
+    return {"topic": m.topic, "queue_id": m.queue_id, "queue_offset": m.queue_offset, "phys_offset": phys,
+            "store_timestamp": m.store_timestamp, "born_timestamp": m.born_timestamp, "keys": m.keys,
+            "tags": m.tags, "properties": m.properties, "body": body, "body_encoding": enc}
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    found = _mounted_state(args.mountpoint)
+    if isinstance(found, str):
+        return _fail(found)
+    mnt, state = found
+    index_dir = Path(args.index_dir) if args.index_dir else mnt / "index"
+    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else mnt / "commitlog"
+    for d, flag in ((index_dir, "--index-dir"), (commitlog_dir, "--commitlog-dir")):
+        if not d.is_dir():
+            return _fail(f"{d} is not a directory; pass the broker's directory with {flag}")
+    t0 = time.monotonic()
+    offsets, stats = query_offsets(mnt, state, index_dir, ix.build_key(args.topic, args.key), args.begin,
+                                   args.end, args.max)
+    msgs = []
+    for phys in offsets:
+        m = read_record(commitlog_dir, phys)
+        # a hash collision or a stale index entry: keep only records that really carry the key
+        if m is not None and m.topic == args.topic and (args.key in m.keys or m.uniq_key == args.key):
+            msgs.append(message_json(m, phys))
+    stats.update(hits=len(offsets), messages=len(msgs), seconds=round(time.monotonic() - t0, 4))
+    if args.json:
+        print(json.dumps({"messages": msgs, "stats": stats}, indent=1))
+    else:
+        for m in msgs:
+            body = m["body"] if len(m["body"]) <= 120 else m["body"][:117] + "..."
+            print(f"{m['phys_offset']:>14}  {m['topic']}[{m['queue_id']}]@{m['queue_offset']}  "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(m['store_timestamp'] / 1000))}  "
+                  f"keys={','.join(m['keys'])} tags={m['tags'] or ''}  {body}")
+        print(f"{len(msgs)} messages ({stats['hits']} index hits, {stats['files_searched']} index files, "
+              f"{stats['files_by_sidecar']} by sidecar with {stats['sidecar_gets']} GETs) in {stats['seconds']} s",
+              file=sys.stderr)
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("compact", help="run the Spark pipeline now (compaction, index sidecars, archive) and wait")
+    c.add_argument("mountpoint", metavar="MOUNTPOINT")
+    c.add_argument("--only", choices=("segments", "index", "archive"), help="run one stage only")
+    c.add_argument("--master", metavar="URL", help="Spark master for this run (default: spark.master)")
+    c.add_argument("--min-age", type=float, default=0.0, metavar="SECONDS",
+                   help="only segments tiered at least this long ago (default 0: every tiered segment)")
+    c.add_argument("--timeout", type=float, default=0.0, metavar="SECONDS", help="stop waiting after this long")
+    c.add_argument("--json", action="store_true", help="print the job summary as JSON (no progress bars)")
+    c.set_defaults(func=cmd_compact)
+    q = sub.add_parser("query", help="look messages up by key, like the broker's queryMessage")
+    q.add_argument("mountpoint", metavar="MOUNTPOINT")
+    q.add_argument("--topic", required=True)
+    q.add_argument("--key", required=True)
+    q.add_argument("--begin", type=int, default=0, metavar="MS", help="store time from (ms since epoch)")
+    q.add_argument("--end", type=int, default=LONG_MAX, metavar="MS", help="store time to (ms since epoch)")
+    q.add_argument("--max", type=int, default=32, metavar="N", help="at most N messages (the broker caps at 64)")
+    q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT/index")
+    q.add_argument("--commitlog-dir", metavar="DIR", help="default MOUNTPOINT/commitlog (storePathCommitLog)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_query)

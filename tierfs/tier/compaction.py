@@ -1,0 +1,406 @@
+"""The daemon's side of the Spark pipeline (DESIGN §6, §10): pick work, run the job, verify and swap.
+
+The Spark job runs as a child process (`python -m tierfs.spark --job-dir DIR`, or spark-submit) so no JVM lives in
+the FUSE daemon. It only writes new objects and `DIR/result.json`; nothing the mount serves changes until this
+module has checked every result against the catalog (the decompressed lz4c content must have the catalog's
+crc32c, block by block) and swapped the catalog row in one transaction. Replaced objects are deleted after
+`delete.grace_seconds`, so reads in flight never break.
+
+Crash safety: a job dir with a result.json and no applied.json is applied again at start-up; applying is
+idempotent (a row already swapped, or changed since, is skipped). A job killed midway leaves no result.json.
+
+Job directories live in HOT/.tierfs/jobs/<job id>/: input.json (0600: store credentials), progress.jsonl,
+result.json, applied.json, job.log. `tierfs compact` asks for a run by dropping a request file in
+HOT/.tierfs/compaction/requests/ and then follows the job's directory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import crc32c
+import trio
+
+from tierfs import failpoints
+from tierfs.config import parse_retention
+from tierfs.objectstore import ObjectStore
+from tierfs.store import cidx
+from tierfs.store.paths import Kind
+from tierfs.tier import lz4c
+from tierfs.tier.catalog import Artifact, Entry, State
+
+if TYPE_CHECKING:
+    from tierfs.tier.engine import Engine
+
+log = logging.getLogger("tierfs.compaction")
+
+STAGES = ("segments", "index", "archive")
+KEEP_JOB_DIRS = 20
+VERIFY_BATCH_BLOCKS = 16
+
+
+def new_job_id() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def jobs_dir(state_dir: Path) -> Path:
+    return state_dir / "jobs"
+
+
+def requests_dir(state_dir: Path) -> Path:
+    return state_dir / "compaction" / "requests"
+
+
+def write_json_atomic(path: Path, obj: dict, mode: int = 0o644) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def request_job(state_dir: Path, stages: list[str], spark: dict[str, str], min_age_seconds: float) -> str:
+    """What `tierfs compact` does: queue a request the daemon picks up within a second; returns the job id."""
+    job_id = new_job_id()
+    d = requests_dir(state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / f"{job_id}.json", {"job_id": job_id, "stages": stages, "spark": spark,
+                                              "min_age_seconds": min_age_seconds})
+    return job_id
+
+
+def seg_record(e: Entry) -> dict:
+    return {"path": e.path, "kind": e.kind, "generation": e.generation, "size": e.size, "format": e.format,
+            "chunk_bytes": e.chunk_bytes, "block_bytes": e.block_bytes, "crc32c": e.crc32c,
+            "block_crcs": e.block_crcs, "objects": e.objects}
+
+
+def verify_lz4c(store: ObjectStore, key: str, e: Entry) -> lz4c.Footer:
+    """Blocking: the object's decompressed content must be the catalog's, block by block and as a whole."""
+    from tierfs.tier.engine import read_lz4c_footer
+
+    footer = read_lz4c_footer(store, key)
+    t = footer.trailer
+    if t.size != e.size or t.block_bytes != e.block_bytes or t.nblocks != e.nblocks:
+        raise lz4c.Lz4cError(f"{key}: shape {t.size} bytes / {t.nblocks} blocks of {t.block_bytes} does not match "
+                             f"the catalog's {e.size} / {e.nblocks} of {e.block_bytes}")
+    if list(footer.crcs) != list(e.block_crcs):
+        bad = next(i for i, (a, b) in enumerate(zip(footer.crcs, e.block_crcs)) if a != b)
+        raise lz4c.Lz4cError(f"{key}: block {bad} crc32c differs from the catalog's")
+    crc = 0
+    for first in range(0, e.nblocks, VERIFY_BATCH_BLOCKS):
+        n = min(VERIFY_BATCH_BLOCKS, e.nblocks - first)
+        off, length = lz4c.block_span(footer, first, n)
+        crc = crc32c.crc32c(lz4c.decode_blocks(footer, first, n, store.get_range(key, off, length)), crc)
+    if crc != e.crc32c or t.content_crc32c != e.crc32c:
+        raise lz4c.Lz4cError(f"{key}: content crc32c {crc:08x} differs from the catalog's {e.crc32c:08x}")
+    return footer
+
+
+def verify_sidecar(store: ObjectStore, key: str, size: int, crc: int) -> bytes:
+    """Blocking: the whole sidecar must have the size and crc32c the job reported and a sound header; returns
+    the header, kept in the catalog so a look-up needs no GET for it."""
+    data = store.get(key)
+    if len(data) != size or crc32c.crc32c(data) != crc:
+        raise ValueError(f"{key}: {len(data)} bytes with crc32c {crc32c.crc32c(data):08x}, expected {size} bytes "
+                         f"with {crc:08x}")
+    header = cidx.parse_header(data[:cidx.HEADER_SIZE])
+    if header.size != size:
+        raise ValueError(f"{key}: the header describes {header.size} bytes, the object has {size}")
+    return bytes(data[:cidx.HEADER_SIZE])
+
+
+@dataclass
+class Job:
+    job_id: str
+    stages: list[str]
+    dir: Path
+    started: float = field(default_factory=time.time)
+    trigger: str = "schedule"
+
+
+class Compactor:
+    """Schedules pipeline jobs (one at a time), runs them as child processes, and applies their results."""
+
+    def __init__(self, engine: "Engine"):
+        self.eng = engine
+        self.config = engine.config
+        self.jobs = jobs_dir(engine.state_dir)
+        self.requests = requests_dir(engine.state_dir)
+        self.running: Job | None = None
+        self._lock = trio.Lock()
+
+    # ------------------------------------------------------------------ loops
+
+    async def run(self) -> None:
+        self.jobs.mkdir(exist_ok=True)
+        await self._recover()
+        interval = float(self.config["compaction.interval_seconds"])
+        next_scheduled = time.monotonic() + interval
+        while True:
+            if not self.eng.store_writable():  # no writer lease: the job's objects and swaps must wait
+                await trio.sleep(1.0)
+                continue
+            for req in sorted(self.requests.glob("*.json")) if self.requests.is_dir() else []:
+                await self._run_request(req)
+            if self.config["compaction.enabled"] and time.monotonic() >= next_scheduled:
+                stages = [s.strip() for s in self.config["compaction.stages"].split(",") if s.strip()]
+                await self.run_job(new_job_id(), stages, {}, float(self.config["compaction.min_age_seconds"]),
+                                   "schedule")
+                next_scheduled = time.monotonic() + interval
+            await trio.sleep(1.0)
+
+    async def _run_request(self, req: Path) -> None:
+        try:
+            r = json.loads(req.read_text())
+            job_id = str(r["job_id"])
+            stages = [s for s in r.get("stages") or STAGES if s in STAGES]
+            spark = {str(k): str(v) for k, v in (r.get("spark") or {}).items() if str(k).startswith("spark.")}
+            min_age = float(r.get("min_age_seconds", 0.0))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.error("ignoring unreadable compaction request %s: %s", req, err)
+            req.unlink(missing_ok=True)
+            return
+        req.unlink(missing_ok=True)
+        await self.run_job(job_id, stages, spark, min_age, "request")
+
+    async def _recover(self) -> None:
+        """Apply results whose job finished before the daemon died (between manifest and swap)."""
+        for d in sorted(p for p in self.jobs.iterdir() if p.is_dir()):
+            if (d / "result.json").exists() and not (d / "applied.json").exists():
+                log.info("applying the result of job %s left by an earlier daemon", d.name)
+                await self._apply_dir(d)
+
+    # ------------------------------------------------------------------ one job
+
+    async def run_job(self, job_id: str, stages: list[str], spark: dict[str, str], min_age: float,
+                      trigger: str) -> dict:
+        async with self._lock:
+            d = self.jobs / job_id
+            d.mkdir(parents=True, exist_ok=True)
+            job = self.running = Job(job_id, stages, d, trigger=trigger)
+            try:
+                inp = await self._build_input(job, spark, min_age)
+                write_json_atomic(d / "input.json", inp, mode=0o600)
+                n = len(inp["segments"]) + len(inp["indexes"]) + len(inp["commitlogs"])
+                if n == 0:
+                    summary = {"job_id": job_id, "ok": True, "trigger": trigger, "stages": stages, "applied": {},
+                               "skipped": [], "errors": [], "seconds": 0.0, "note": "nothing to do"}
+                    write_json_atomic(d / "applied.json", summary)
+                    return summary
+                log.info("compaction job %s (%s): %d segments, %d index files, %d commitlogs", job_id,
+                         ",".join(stages), len(inp["segments"]), len(inp["indexes"]), len(inp["commitlogs"]))
+                rc = await self._run_child(d, inp)
+                if not (d / "result.json").exists():
+                    tail = _tail(d / "job.log")
+                    summary = {"job_id": job_id, "ok": False, "trigger": trigger, "stages": stages, "applied": {},
+                               "skipped": [], "errors": [{"stage": "job", "path": "",
+                                                          "error": f"job exited {rc} without a result: {tail}"}],
+                               "seconds": round(time.time() - job.started, 1)}
+                    write_json_atomic(d / "applied.json", summary)
+                    log.error("compaction job %s failed (exit %s): %s", job_id, rc, tail)
+                    return summary
+                return await self._apply_dir(d)
+            finally:
+                self.running = None
+                self._prune()
+
+    async def _build_input(self, job: Job, spark: dict[str, str], min_age: float) -> dict:
+        eng = self.eng
+        arts = await eng._db(eng.catalog.artifacts)
+        have = {(a.path, a.kind, a.generation) for a in arts}
+        cutoff = time.time() - min_age
+        tiered = [e for e in eng.entries.values() if e.state is State.TIERED and e.state_since <= cutoff]
+        tiered.sort(key=lambda e: (e.mtime_ns, e.path))
+        conf = self.config.spark_conf()
+        conf.update(spark)
+        retention = parse_retention(self.config["archive.retention"])
+        return {
+            "job_id": job.job_id,
+            "stages": job.stages,
+            "store": {"url": eng._store_url(), "options": eng._store_options()},
+            "store_id": eng.store_id,
+            "posix_shared": bool(self.config["objectstore.posix_shared"]),
+            "spark": conf,
+            "segments": [seg_record(e) for e in tiered if "segments" in job.stages and e.format == "raw"],
+            "indexes": [seg_record(e) for e in tiered if "index" in job.stages and e.kind == Kind.INDEX.value
+                        and (e.path, "cidx", e.generation) not in have],
+            "commitlogs": [seg_record(e) for e in tiered if "archive" in job.stages
+                           and e.kind == Kind.COMMITLOG.value and (e.path, "archive", e.generation) not in have],
+            "max_hash_slot_num": int(self.config["broker.max_hash_slot_num"]),
+            "max_index_num": int(self.config["broker.max_index_num"]),
+            "retention": retention,
+            "today": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
+        }
+
+    def _command(self, d: Path) -> list[str]:
+        submit = self.config["compaction.spark_submit"]
+        if not submit:
+            return [sys.executable, "-m", "tierfs.spark", "--job-dir", str(d)]
+        main = Path(__file__).resolve().parent.parent / "spark" / "__main__.py"
+        return [submit, "--master", self.config["spark.master"], str(main), "--job-dir", str(d)]
+
+    async def _run_child(self, d: Path, inp: dict) -> int | None:
+        env = dict(os.environ)
+        env.setdefault("PYSPARK_PYTHON", sys.executable)
+        env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        # the daemon's failpoints are not the job's; tests arm the job's through TIERFS_JOB_FAILPOINTS
+        env.pop("TIERFS_FAILPOINTS", None)
+        if os.environ.get("TIERFS_JOB_FAILPOINTS"):
+            env["TIERFS_FAILPOINTS"] = os.environ["TIERFS_JOB_FAILPOINTS"]
+        with open(d / "job.log", "ab") as logf:
+            proc = await trio.lowlevel.open_process(self._command(d), stdin=subprocess.DEVNULL, stdout=logf,
+                                                    stderr=logf, env=env, start_new_session=True)
+            try:
+                return await proc.wait()
+            finally:
+                if proc.returncode is None:  # cancelled (daemon stopping): take the JVM down with the job
+                    with trio.CancelScope(shield=True):
+                        _signal_group(proc.pid, signal.SIGTERM)
+                        with trio.move_on_after(5):
+                            await proc.wait()
+                        _signal_group(proc.pid, signal.SIGKILL)
+                        await proc.wait()
+
+    # ------------------------------------------------------------------ apply a result
+
+    async def _apply_dir(self, d: Path) -> dict:
+        result = json.loads((d / "result.json").read_text())
+        t0 = time.time()
+        failpoints.hit("compaction.before_swap")
+        applied = {"segments": 0, "indexes": 0, "archive": 0}
+        skipped: list[dict] = []
+        errors = list(result.get("errors") or [])
+        grace = float(self.config["delete.grace_seconds"])
+        eng = self.eng
+        for row in result.get("segments") or []:
+            why = await self._apply_segment(row, grace)
+            if why is None:
+                applied["segments"] += 1
+            elif why == "skipped":
+                skipped.append({"stage": "segments", "path": row["path"], "error": "changed since the job read it"})
+            else:
+                errors.append({"stage": "segments", "path": row["path"], "error": why})
+        arts: list[Artifact] = []
+        for row in result.get("indexes") or []:
+            e = eng.entries.get(row["path"])
+            if e is None or e.state is not State.TIERED or e.generation != row["generation"]:
+                skipped.append({"stage": "index", "path": row["path"], "error": "changed since the job read it"})
+                continue
+            try:
+                header = await eng._io(verify_sidecar, eng.store, row["key"], int(row["bytes"]), int(row["crc32c"]))
+            except Exception as err:  # noqa: BLE001 - any failure means: do not use this sidecar
+                errors.append({"stage": "index", "path": row["path"], "error": f"sidecar rejected: {err}"})
+                continue
+            arts.append(Artifact(row["path"], "cidx", row["generation"], [row["key"]],
+                                 {"bytes": row["bytes"], "crc32c": row["crc32c"], "header": header.hex()}))
+        for row in result.get("archive") or []:
+            arts.append(Artifact(row["path"], "archive", row["generation"], list(row.get("keys") or []),
+                                 {"rows": row.get("rows", 0), "bytes": row.get("bytes", 0)}))
+        if arts:
+            new_cidx = {a.path: a for a in arts if a.kind == "cidx"}
+            old = await eng._db(eng.catalog.artifacts, "cidx")
+            replaced = [k for a in old if a.path in new_cidx for k in a.keys if k not in new_cidx[a.path].keys]
+            await eng._db(eng.catalog.put_many, [], replaced, time.time() + grace, arts)
+            applied["indexes"] = sum(a.kind == "cidx" for a in arts)
+            applied["archive"] = sum(a.kind == "archive" for a in arts)
+        summary = {"job_id": result.get("job_id", d.name), "ok": bool(result.get("ok", True)) and not errors,
+                   "stages": result.get("stages"), "applied": applied, "skipped": skipped, "errors": errors,
+                   "seconds": result.get("seconds"),
+                   "apply_seconds": round(time.time() - t0, 2),
+                   "bytes_in": sum(r.get("size", 0) for r in result.get("segments") or []),
+                   "bytes_out": sum(r.get("compressed_bytes", 0) for r in result.get("segments") or []),
+                   "archive_rows": sum(r.get("rows", 0) for r in result.get("archive") or []),
+                   "archive_deleted": len(result.get("archive_deleted") or [])}
+        write_json_atomic(d / "applied.json", summary)
+        log.info("compaction job %s applied: %s; %d skipped, %d errors", summary["job_id"], applied,
+                 len(summary["skipped"]), len(summary["errors"]))
+        return summary
+
+    async def _apply_segment(self, row: dict, grace: float) -> str | None:
+        """Verify one lz4c object against the catalog and swap the entry. None when swapped, else why not."""
+        eng = self.eng
+        e = eng.entries.get(row["path"])
+        if e is not None and e.format == "lz4c" and e.objects == [row["key"]]:
+            return None  # swapped by an earlier attempt at this result
+        if e is None or e.state is not State.TIERED or e.generation != row["generation"] or e.format != "raw":
+            return "skipped"
+        try:
+            footer = await eng._io(verify_lz4c, eng.store, row["key"], e)
+        except Exception as err:  # noqa: BLE001 - a bad object is reported, never swapped in
+            log.error("compacted object %s of %s rejected: %s", row["key"], e.path, err)
+            return f"rejected: {err}"
+        if eng.entries.get(row["path"]) is not e or e.state is not State.TIERED or e.generation != row["generation"]:
+            return "skipped"
+        old_keys = e.objects
+        e.format, e.objects, e.chunk_bytes = "lz4c", [row["key"]], e.nblocks * e.block_bytes
+        eng._footers[row["key"]] = footer
+        await eng._db(eng.catalog.swap, e, old_keys, time.time() + grace)
+        return None
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        out: dict = {"running": None, "last": []}
+        if self.running is not None:
+            j = self.running
+            done, total = progress_counts(j.dir)
+            out["running"] = {"job_id": j.job_id, "stages": j.stages, "trigger": j.trigger,
+                              "seconds": round(time.time() - j.started, 1), "done": done, "total": total}
+        for d in sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)[:5]:
+            try:
+                out["last"].append(json.loads((d / "applied.json").read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def _prune(self) -> None:
+        dirs = sorted(p for p in self.jobs.glob("*") if (p / "applied.json").exists())
+        for d in dirs[:-KEEP_JOB_DIRS]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def progress_counts(d: Path) -> tuple[int, int]:
+    done = total = 0
+    try:
+        with open(d / "progress.jsonl") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if "total" in rec:
+                    total += int(rec["total"])
+                else:
+                    done += 1
+    except OSError:
+        pass
+    return done, total
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no job log)"
