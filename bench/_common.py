@@ -323,6 +323,20 @@ class TierfsMount:
                 out["ops"][parts[0]] = {h: (int(v) if v.isdigit() else float(v)) for h, v in zip(header[1:], parts[1:])}
         return out
 
+    def status(self) -> dict:
+        """Parsed MNT/.tierfs/status.json: {'files': [...], 'totals': {..., 'engine': {counters}}}."""
+        return json.loads((self.mnt / ".tierfs" / "status.json").read_text())
+
+    def config(self) -> dict:
+        """The daemon's effective configuration from MNT/.tierfs/config (TOML, secrets redacted), as dotted keys."""
+        import tomllib
+
+        def flat(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+            for k, v in tree.items():
+                yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else ((f"{prefix}{k}", v),)
+
+        return dict(flat(tomllib.loads((self.mnt / ".tierfs" / "config").read_text())))
+
     def kernel_tuning(self) -> dict:
         """What the kernel really uses for this mount (bdi read-ahead, fusectl knobs)."""
         out: dict[str, Any] = {}
@@ -391,6 +405,43 @@ def format_stats_delta(d: dict) -> str:
             extra = f", {d['write_bytes_per_op'] / 1024:.0f} KiB/op"
         parts.append(f"{name} {s['count']} (mean {s['mean_us']} us{extra})")
     return "; ".join(parts) or "-"
+
+
+# ------------------------------------------------------------------------------------------------ Ceph RGW
+
+
+@contextlib.contextmanager
+def ceph_rgw(memstore_bytes: int | None = None, keep: bool = False) -> Iterator[Any]:
+    """A throwaway single-node Ceph + radosgw on 127.0.0.1 (tests/ceph_rgw.py's RGW), stopped by PID on exit.
+
+    The OSD is a memstore (objects live in RAM) capped at 2 GiB for the tests; `memstore_bytes` raises that cap
+    for benchmarks that store more (only what is stored uses memory)."""
+    import re
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import ceph_rgw as cr
+
+    missing = cr.missing_binaries()
+    if missing:
+        raise SystemExit(f"Ceph binaries missing ({', '.join(missing)}); apt-get install -y "
+                         f"--no-install-recommends {' '.join(cr.APT_PACKAGES)}")
+    if memstore_bytes:
+        conf, n = re.subn(r"memstore device bytes = \d+", f"memstore device bytes = {int(memstore_bytes)}",
+                          cr._CONF)
+        if n != 1:
+            raise RuntimeError("tests/ceph_rgw.py no longer sets 'memstore device bytes'; update bench/_common.py")
+        cr._CONF = conf
+    run_dir = Path(tempfile.mkdtemp(prefix="tierfs-bench-ceph-"))
+    r = cr.RGW(run_dir)
+    log(f"starting ceph + radosgw in {run_dir}")
+    r.start()
+    log(f"radosgw up in {r.startup_seconds:.1f}s at {r.endpoint_url}")
+    try:
+        yield r
+    finally:
+        r.close()
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ py-spy
