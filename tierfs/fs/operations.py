@@ -222,7 +222,7 @@ class TierOperations(pyfuse3.Operations):
             ino = self.control.inode_of(os.fsdecode(name))
             if ino is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            return self.control.attrs(ino)
+            return self.control.attrs(ino, fresh=True)
         if parent == ROOT and name == control.NAME.encode():
             return self.control.attrs(control.DIR_INODE)
         if name == b".":
@@ -434,7 +434,7 @@ class TierOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EROFS if inode != control.DIR_INODE else errno.EISDIR)
             fh = _CONTROL_FH_BASE + self._next_handle
             self._next_handle += 1
-            self._control_fh[fh] = self.control.render(inode)
+            self._control_fh[fh] = self.control.render(inode, reuse=True)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         if self.read_only and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
             raise pyfuse3.FUSEError(errno.EROFS)

@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from tierfs import __version__
 from tierfs.config import Config
@@ -191,24 +191,9 @@ def render_status_json(d: dict) -> str:
     return head[:-2] + ',\n "files": ' + json.dumps(files, separators=(",", ":")) + "\n}\n"
 
 
-def reused(render: Callable[[], str], seconds: float = 0.2) -> Callable[[], str]:
-    """`render`, whose text is handed back again for `seconds` after a render *finished*. One `cat` asks for the
-    text at lookup, getattr and open; the control dir's own reuse window starts when a render starts, so a render
-    slower than it (status.json with 100,000 segments: seconds) ran three times per `cat`."""
-    last: list = [float("-inf"), ""]
-
-    def provider() -> str:
-        if time.monotonic() - last[0] >= seconds:
-            text = render()
-            last[:] = [time.monotonic(), text]
-        return last[1]
-
-    return provider
-
-
 def install_views(ops: "TierOperations", paths: "MountPaths", config: Config) -> None:
-    ops.control.add("status", reused(lambda: render_status(status_dict(ops, paths, config, False))))
-    ops.control.add("status.json", reused(lambda: render_status_json(status_dict(ops, paths, config, True))))
-    ops.control.add("segments", reused(lambda: render_segments(ops)))
+    ops.control.add("status", lambda: render_status(status_dict(ops, paths, config, False)))
+    ops.control.add("status.json", lambda: render_status_json(status_dict(ops, paths, config, True)))
+    ops.control.add("segments", lambda: render_segments(ops))
     ops.control.add("stats", ops.stats.render)
     ops.control.add("config", lambda: config.render_toml(redact=True))
