@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 PY = sys.executable
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -565,3 +565,29 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], file: Any
     for r in cells:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=out)
     out.flush()
+
+
+def write_json(dest: str, doc: dict) -> None:
+    """--json [FILE]: the results document to FILE, or to stdout for '-'."""
+    text = json.dumps(doc, indent=1, default=str)
+    if dest == "-":
+        print(text)
+    else:
+        Path(dest).write_text(text + "\n")
+        log(f"wrote {dest}")
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, progress: Callable[[], str] | None = None,
+               poll: float = 0.25) -> float:
+    """Poll `pred` until it holds; seconds taken. Logs `progress()` every 10 s; RuntimeError on timeout."""
+    t0 = last = time.monotonic()
+    while not pred():
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}"
+                               + (f" ({progress()})" if progress else ""))
+        if progress and now - last >= 10:
+            log(f"  waiting for {what}: {progress()}")
+            last = now
+        time.sleep(poll)
+    return time.monotonic() - t0

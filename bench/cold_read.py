@@ -324,20 +324,7 @@ def lat_summary(lat: list[float]) -> dict:
 # ======================================================================================== the run
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, progress: Callable[[], str] | None = None
-               ) -> float:
-    t0 = time.monotonic()
-    last_log = t0
-    while not pred():
-        now = time.monotonic()
-        if now - t0 > timeout:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}"
-                               + (f" ({progress()})" if progress else ""))
-        if progress and now - last_log >= 10:
-            C.log(f"  waiting for {what}: {progress()}")
-            last_log = now
-        time.sleep(0.25)
-    return time.monotonic() - t0
+wait_until = C.wait_until
 
 
 def segment_status(mnt: C.TierfsMount) -> dict:
@@ -725,13 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                 for ln in top:
                     print("    " + ln.strip())
     if args.json:
-        text = json.dumps({"setup": setup, "options": args.options, "tierfs_src": args.tierfs_src, "summary": rows,
-                           "runs": reps}, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-            C.log(f"wrote {args.json}")
+        C.write_json(args.json, {"setup": setup, "options": args.options, "tierfs_src": args.tierfs_src, "summary": rows,
+                           "runs": reps})
     return 0
 
 

@@ -459,20 +459,7 @@ def decode_baselines(store: Store, block_bytes: int, repeat: int, with_archive: 
 # ======================================================================================== the mount
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, progress: Callable[[], str] | None = None
-               ) -> float:
-    t0 = time.monotonic()
-    last = t0
-    while not pred():
-        now = time.monotonic()
-        if now - t0 > timeout:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}"
-                               + (f" ({progress()})" if progress else ""))
-        if progress and now - last >= 15:
-            C.log(f"  waiting for {what}: {progress()}")
-            last = now
-        time.sleep(0.1)
-    return time.monotonic() - t0
+wait_until = C.wait_until
 
 
 def files_of(mnt: C.TierfsMount) -> dict[str, dict]:
@@ -1364,13 +1351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         res["setup"]["store"] = {"segments": [vars(s) for s in res["setup"]["store"].segments],
                                  "indexes": [vars(i) for i in res["setup"]["store"].indexes]}
-        text = json.dumps({"args": {k: v for k, v in vars(args).items()}, "summary": summ, **res}, indent=1,
-                          default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-            C.log(f"wrote {args.json}")
+        C.write_json(args.json, {"args": {k: v for k, v in vars(args).items()}, "summary": summ, **res})
     return 0
 
 

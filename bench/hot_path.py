@@ -517,12 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"seconds": args.seconds, "options": args.options, "bdi": args.bdi, "tierfs_src": args.tierfs_src, "kernel": tuning,
                "summary": rows,
                "runs": results}
-        text = json.dumps(doc, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-            C.log(f"wrote {args.json}")
+        C.write_json(args.json, doc)
     return 0
 
 

@@ -464,12 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"options": [BASE_OPTS, *args.options], "cq_units": args.cq_units, "queues": args.queues,
                "files_per_queue": args.files_per_queue, "tierfs_src": args.tierfs_src, "store": store,
                "results": results}
-        text = json.dumps(doc, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-            C.log(f"wrote {args.json}")
+        C.write_json(args.json, doc)
     return 0
 
 
