@@ -80,8 +80,9 @@ def one_store(mount_store, tmp_path: Path, n: int) -> dict:
     assert st["totals"]["per_kind"]["consumequeue"]["tiered"] == n
     assert sum(1 for _ in (hot / ".tierfs" / "objects").rglob("000000")) == n  # one chunk object per file
 
+    m.umount()
     t = time.monotonic()
-    m.remount()
+    m.mount()
     out["remount_s"] = time.monotonic() - t
     assert listed_files(m.mnt) == n
     rnd = random.Random(n)
@@ -103,5 +104,7 @@ def test_many_tiny_consumequeue_files_tier_with_flat_per_file_costs(mount_store,
     print(figures)  # shown with -s, and on failure
     # time to tier everything, per file
     assert b["tier_s"] / large <= FACTOR * a["tier_s"] / small, figures
-    # remount (load the catalog, match it against the hot dir): the cost beyond the 2k run, per extra file
-    assert (b["remount_s"] - a["remount_s"]) / (large - small) <= FACTOR * a["remount_s"] / small, figures
+    # mounting (the first time: nothing cataloged; again: load the catalog, match it against the hot dir): the
+    # cost beyond the 2k run, per extra file, against the 2k run's cost per file
+    for key in ("mount_s", "remount_s"):
+        assert (b[key] - a[key]) / (large - small) <= FACTOR * a[key] / small, figures

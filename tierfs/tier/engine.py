@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import gc
 import heapq
 import logging
 import mmap
@@ -311,10 +310,6 @@ class Engine:
                 self.cache_bytes += e.resident_bytes()
         log.info("catalog: %d rows, %d tiered, %d to upload, %d deletes pending", len(self.entries),
                  len(self.tiered), len(self._upload_queue), self.catalog.pending_delete_count())
-        # the rows live as long as the mount: keep them out of every later full collection (80 ms per pass with
-        # 100,000 rows, each one a pause of the FUSE loop, and more of them the more the inode table grows)
-        gc.collect()
-        gc.freeze()
 
     async def run(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -795,6 +790,7 @@ class Engine:
                 late.append(e)  # written while the commit ran: the objects hold the old content
                 continue
             self.tiered[ino] = e
+            self._sealed_at_seq.pop(e.path, None)  # a later seal (after a rewrite) records its own
             self.cache_bytes += e.resident_bytes()
             self.stats.uploads += 1
             self.stats.upload_bytes += e.size
@@ -1168,16 +1164,15 @@ class Engine:
             return
         target = cap * float(self.config["cache.low_watermark"])
         now = time.time()
-        victims = sorted((e for e in self.tiered.values() if now - e.last_access > 1.0),
-                         key=lambda e: e.last_access)
-        i = 0
-        while self.cache_bytes > target and i < len(victims):
+        # least recently used first: a heap (O(n) to build, O(log n) per victim taken), not a sort of every entry
+        victims = [(e.last_access, n, e) for n, e in enumerate(self.tiered.values()) if now - e.last_access > 1.0]
+        heapq.heapify(victims)
+        while self.cache_bytes > target and victims:
             # up to _EVICT_BATCH segments per transaction: many small segments must not cost a commit each
             picked: list[tuple[Entry, int, list[int]]] = []
             expect = self.cache_bytes
-            while i < len(victims) and expect > target and len(picked) < _EVICT_BATCH:
-                e = victims[i]
-                i += 1
+            while victims and expect > target and len(picked) < _EVICT_BATCH:
+                e = heapq.heappop(victims)[2]
                 if e.state is not State.TIERED or self.entries.get(e.path) is not e:
                     continue  # rewritten or unlinked while an earlier batch committed
                 blocks = [b for b in range(e.nblocks) if e.is_resident(b)]
