@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             C.log(f"N={n}: remount {r['remount_s']}s, ls -R {r['ls_mount_s']:.2f}s (native {r['ls_native_s']:.2f}s), "
                   f"stat p50 {r['stat_mount_p50_us']:.0f} us, tiering {r['tier_ms_per_file']:.2f} ms/file")
+            if args.json and args.json != "-":  # a long sweep keeps what it measured if a later N is stopped
+                C.write_json(args.json, json_doc(args, store, results))
     print_report(results, args, store)
     if prof_dir:
         print("\ndaemon profiles while tiering (py-spy, share of samples):")
@@ -466,11 +468,14 @@ def main(argv: list[str] | None = None) -> int:
                 for name, pct in s["inclusive_pct"]:
                     print(f"      {pct:5.1f}%  {name}")
     if args.json:
-        doc = {"options": [BASE_OPTS, *args.options], "cq_units": args.cq_units, "queues": args.queues,
-               "files_per_queue": args.files_per_queue, "tierfs_src": args.tierfs_src, "store": store,
-               "results": results}
-        C.write_json(args.json, doc)
+        C.write_json(args.json, json_doc(args, store, results))
     return 0
+
+
+def json_doc(args: argparse.Namespace, store: str, results: list[dict]) -> dict:
+    return {"options": [BASE_OPTS, *args.options], "cq_units": args.cq_units, "queues": args.queues,
+            "files_per_queue": args.files_per_queue, "tierfs_src": args.tierfs_src, "store": store,
+            "results": results}
 
 
 if __name__ == "__main__":
