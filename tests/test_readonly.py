@@ -399,7 +399,7 @@ def _publish(store, sid: str, db: Path, seq: int = 1, crc: int | None = None) ->
 
 def _row(path: str, objects: list[str], size: int = 10) -> tuple:
     return (path, "mutable", size, 1, "tiered", 0, "raw", 1 << 16, 1 << 12, 0, json.dumps([0]),
-            json.dumps(objects), b"", 0.0, 0.0, 0o644, 0, 0)
+            json.dumps(objects), b"", 0.0, 0.0, 1, 0, 0o644, 0, 0)  # ..., file id, inode, mode, uid, gid
 
 
 @pytest.mark.parametrize("files,tree,message", [
@@ -513,12 +513,12 @@ def test_read_only_mount_serves_lz4c_raw_and_blob_rows_and_refuses_corrupt_bytes
     mtime = 1_700_000_000_123_456_789
     files = [
         ("commitlog/00000000000000000000", "commitlog", len(seg), mtime, "tiered", 3, "lz4c", nblocks * block, block,
-         crc32c.crc32c(seg), json.dumps(crcs), json.dumps([key]), b"", 0.0, 0.0, 0o640, 0, 0),
+         crc32c.crc32c(seg), json.dumps(crcs), json.dumps([key]), b"", 0.0, 0.0, 1, 0, 0o640, 0, 0),
         ("config/topics.json", "mutable", len(cfg), mtime, "tiered", 0, "raw", 1 << 20, block, crc32c.crc32c(cfg),
-         json.dumps([crc32c.crc32c(cfg)]), json.dumps([snap.blob_key("sid", "a" * 64)]), b"", 0.0, 0.0, 0o600, 0, 0),
+         json.dumps([crc32c.crc32c(cfg)]), json.dumps([snap.blob_key("sid", "a" * 64)]), b"", 0.0, 0.0, 1, 0, 0o600, 0, 0),
         ("damaged", "mutable", len(bad), mtime, "tiered", 0, "raw", 1 << 20, block, crc32c.crc32c(bad),
-         json.dumps([crc32c.crc32c(bad)]), json.dumps([snap.blob_key("sid", "b" * 64)]), b"", 0.0, 0.0, 0o644, 0, 0),
-        ("empty", "mutable", 0, mtime, "tiered", 0, "raw", 1 << 20, block, 0, "[]", "[]", b"", 0.0, 0.0, 0o644, 0, 0),
+         json.dumps([crc32c.crc32c(bad)]), json.dumps([snap.blob_key("sid", "b" * 64)]), b"", 0.0, 0.0, 1, 0, 0o644, 0, 0),
+        ("empty", "mutable", 0, mtime, "tiered", 0, "raw", 1 << 20, block, 0, "[]", "[]", b"", 0.0, 0.0, 1, 0, 0o644, 0, 0),
     ]
     tree = [("config", "d", 0o750, 0, 0, mtime, None), ("consumequeue", "d", 0o755, 0, 0, mtime, None),
             ("cfg-link", "l", 0o777, 0, 0, mtime, "config/topics.json")]

@@ -130,6 +130,7 @@ def test_write_into_tiered_segment_makes_new_generation(mount_store, reference_s
     wait_for(lambda: by_path(m).get(rel, {}).get("state") == "tiered", timeout=60, what="tiered")
     wait_for(lambda: by_path(m)[rel]["resident_bytes"] < by_path(m)[rel]["size"], timeout=60, what="evicted")
     old_objects = by_path(m)[rel]["objects"]
+    gen0 = by_path(m)[rel]["generation"]
     ref = bytearray((reference_store / rel).read_bytes())
     # an identical rewrite (like the index header at shutdown) is a no-op
     with open(m.mnt / rel, "r+b") as f:
@@ -137,15 +138,15 @@ def test_write_into_tiered_segment_makes_new_generation(mount_store, reference_s
         f.write(ref[100_000:100_100])
         f.flush()
         os.fsync(f.fileno())
-    assert by_path(m)[rel]["generation"] == 0 and by_path(m)[rel]["state"] == "tiered"
-    # a real change: the file becomes hot again as generation 1, then is sealed and tiered again
+    assert by_path(m)[rel]["generation"] == gen0 and by_path(m)[rel]["state"] == "tiered"
+    # a real change: the file becomes hot again at a new generation, then is sealed and tiered again
     with open(m.mnt / rel, "r+b") as f:
         f.seek(200_000)
         f.write(b"X" * 10)
         f.flush()
         os.fsync(f.fileno())
     ref[200_000:200_010] = b"X" * 10
-    assert by_path(m)[rel]["generation"] == 1
+    assert by_path(m)[rel]["generation"] > gen0
     wait_for(lambda: by_path(m)[rel]["state"] == "tiered", timeout=60, what="re-tiered")
     evict(m.mnt / rel)
     assert (m.mnt / rel).read_bytes() == bytes(ref)
@@ -385,7 +386,7 @@ def test_upload_bandwidth_limit_is_shared_by_all_uploaders(request, tmp_path, ba
     least = (n * size - 0.1 * limit) / limit  # all bytes at the rate, less the burst credit
     assert slow >= least * 0.97, f"{n * size} bytes at {limit} B/s took {slow:.2f} s, expected >= {least:.2f} s"
     assert slow <= least + 2.5, f"the cap slowed uploads more than it should: {slow:.2f} s"
-    assert fast < least / 2, f"uncapped uploads took {fast:.2f} s"
+    assert fast < slow * 0.6, f"uncapped uploads took {fast:.2f} s, capped {slow:.2f} s"
 
 
 def test_token_bucket_close_wakes_waiters():
@@ -427,6 +428,7 @@ def test_truncating_a_tiered_segment_never_resurrects_old_bytes(mount_store, ref
                if f["kind"] == "commitlog" and f["state"] == "tiered" and f["resident_bytes"] < f["size"]]
     assert len(evicted) >= 2
     replaced, shortened = evicted[:2]
+    gens = {rel: by_path(m)[rel]["generation"] for rel in (replaced, shortened)}
     new = os.urandom(300_000)
     with open(m.mnt / replaced, "wb") as f:  # O_TRUNC, then a shorter, different content
         f.write(new)
@@ -438,8 +440,8 @@ def test_truncating_a_tiered_segment_never_resurrects_old_bytes(mount_store, ref
     assert (m.mnt / replaced).read_bytes() == new
     assert (m.mnt / shortened).read_bytes() == (reference_store / shortened).read_bytes()[:200_000]
     files = by_path(m)
-    assert files[replaced]["generation"] == 1 and files[replaced]["state"] == "hot", files[replaced]
-    assert files[shortened]["generation"] == 1 and files[shortened]["state"] == "hot"
+    assert files[replaced]["generation"] > gens[replaced] and files[replaced]["state"] == "hot", files[replaced]
+    assert files[shortened]["generation"] > gens[shortened] and files[shortened]["state"] == "hot"
     m.umount()
     m.mount()
     assert (m.mnt / replaced).read_bytes() == new

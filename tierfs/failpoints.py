@@ -1,7 +1,7 @@
 """Named failpoints for tests only: `TIERFS_FAILPOINTS=name[=action],...` in the daemon's environment.
 
-Actions: `raise` (default; an unexpected exception at that point) or `kill` (SIGKILL of the daemon itself,
-for crash-consistency tests). Parsed once at import; an unset variable costs one frozenset lookup per check.
+Actions: `raise` (default; an unexpected exception at that point), `kill` (SIGKILL of the daemon itself,
+for crash-consistency tests), or `sleep:SECONDS` at an async failpoint (`pause`), to widen a race window. Parsed once at import; an unset variable costs one frozenset lookup per check.
 """
 
 from __future__ import annotations
@@ -30,3 +30,17 @@ def hit(name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise FailpointError(f"failpoint {name}")
+
+
+async def pause(name: str) -> None:
+    """An async failpoint: `sleep:SECONDS` yields to the trio loop that long (other tasks run meanwhile);
+    other actions behave as in hit()."""
+    action = _ACTIVE.get(name)
+    if action is None:
+        return
+    if action.startswith("sleep:"):
+        import trio  # noqa: PLC0415 - only tests arm failpoints
+
+        await trio.sleep(float(action[6:]))
+        return
+    hit(name)

@@ -41,7 +41,6 @@ from tierfs.tier.catalog import State
 if TYPE_CHECKING:
     from tierfs.fs.operations import TierOperations
     from tierfs.fs.stats import OpStats
-    from tierfs.tier.catalog import Entry
 
 log = logging.getLogger("tierfs.metrics")
 
@@ -144,11 +143,11 @@ class StateCollector:
         files: dict[tuple, int] = {}
         size: dict[tuple, int] = {}
         local: dict[tuple, int] = {}
-        tiered, waiting = State.TIERED, (State.SEALED, State.UPLOADING)
+        waiting = (State.SEALED, State.UPLOADING)
         bl_files = bl_bytes = 0
         bl_since = float("inf")
-        # the one per-row loop of a scrape: keep it lean. (Not engine.upload_backlog(): it walks the live dict,
-        # which the trio loop may grow under a listener-thread scrape.)
+        # the one per-row loop of a scrape: keep it lean (a copy of the live dict, which the trio loop may grow
+        # under a listener-thread scrape)
         for e in list(eng.entries.values()):
             st = e.state
             k = (e.kind, st)
@@ -160,7 +159,7 @@ class StateCollector:
                 bl_bytes += e.size
                 bl_since = min(bl_since, e.state_since)
         entries = eng.entries
-        for rel, (kind, nbytes, local_bytes) in list(eng.hot_segments.items()):  # never sealed: no catalog row
+        for rel, (kind, nbytes, local_bytes, _) in list(eng.hot_segments.items()):  # never sealed: no catalog row
             if rel not in entries:
                 k = (kind, State.HOT)
                 files[k] = files.get(k, 0) + 1
@@ -189,6 +188,12 @@ class StateCollector:
         yield GaugeMetricFamily(PREFIX + "upload_backlog_oldest_seconds",
                                 "Age of the oldest segment waiting for upload (0: none).", value=bl_age)
 
+        restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Restarts of a supervised background worker "
+                                       "after it failed (the mount stays up).", labels=["worker"])
+        for name in ("sealer", "uploader", "evictor", "janitor", "snapshotter", "compaction", "lease",
+                     "upload-sweep"):
+            restarts.add_metric([name], eng.workers.restarts.get(name, 0))
+        yield restarts
         s = eng.stats
         yield CounterMetricFamily(PREFIX + "uploads", "Segments uploaded and verified.", value=s.uploads)
         yield CounterMetricFamily(PREFIX + "uploaded_bytes", "Bytes of segments uploaded and verified.",

@@ -254,6 +254,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
                 engine.take_lease(paths.mountpoint)  # one writable mount per store id
         except (ValueError, LeaseHeld) as e:  # ConfigError, bad store settings or snapshot, a lease held elsewhere
             raise MountError(str(e)) from None
+        engine.mountpoint = paths.mountpoint  # the sealer flushes quiet segments through the mount
         engine.reconcile()
     ops = TierOperations(str(paths.hot), config, stats, engine)
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)

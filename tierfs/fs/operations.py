@@ -260,10 +260,12 @@ class TierOperations(pyfuse3.Operations):
             if fd is None and inode in self._unlinked_stat:
                 return self._attrs(self._unlinked_stat[inode], inode)  # nothing left to change on disk
         target: Any = fd if fd is not None else self._full(self._rel(inode))
-        if fields.update_size:
+        if fields.update_size and self.engine is not None:
+            await self.engine.truncate_barrier(inode)
             t = self._tiered.get(inode)
-            if t is not None and self.engine is not None:
+            if t is not None:
                 await self.engine.before_truncate(t, inode, attr.st_size)
+            self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -386,7 +388,7 @@ class TierOperations(pyfuse3.Operations):
         if st.st_nlink <= 1:
             self._unlinked_stat[ino] = st
         if self.engine is not None:
-            await self.engine.on_unlink(rel)
+            await self.engine.on_unlink(rel, ino, self.inodes.any_fd(ino) if st.st_nlink <= 1 else None)
 
     @_handler("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -402,6 +404,10 @@ class TierOperations(pyfuse3.Operations):
         old = self._child(parent_old, name_old)
         new = self._child(parent_new, name_new)
         is_dir = stat.S_ISDIR(os.lstat(self._full(old)).st_mode)
+        try:
+            replaced = os.lstat(self._full(new))
+        except FileNotFoundError:
+            replaced = None
         if flags:
             _renameat2(self._full(old), self._full(new), flags)
         else:
@@ -414,8 +420,10 @@ class TierOperations(pyfuse3.Operations):
         else:
             self.inodes.renamed(old, new, is_dir)
         if self.engine is not None and not is_dir:
-            if not flags & 2:
-                await self.engine.on_unlink(new)
+            if not flags & 2 and replaced is not None:
+                ino = self.inodes.ino_of(replaced)
+                held = self.inodes.any_fd(ino) if replaced.st_nlink <= 1 else None
+                await self.engine.on_unlink(new, ino, held)
             await self.engine.on_rename(old, new)
 
     # ---------------------------------------------------------------- files
@@ -453,9 +461,11 @@ class TierOperations(pyfuse3.Operations):
         """The kernel passes O_TRUNC to open (atomic_o_trunc): a tiered segment must leave the tiered state
         before its hot file is emptied, exactly as for a truncating setattr."""
         if flags & os.O_TRUNC and self.engine is not None:
+            await self.engine.truncate_barrier(inode)
             t = self._tiered.get(inode)
             if t is not None:
                 await self.engine.before_truncate(t, inode, 0)
+            self.engine.note_write(inode)
 
     @_handler("create")
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
@@ -541,6 +551,8 @@ class TierOperations(pyfuse3.Operations):
         os.close(fh)
         if inode is not None:
             self.inodes.closed(inode, fh)
+            if self.engine is not None and self.inodes.any_fd(inode) is None and self.inodes.path(inode) is None:
+                await self.engine.on_released(inode)  # an unlinked file's last holder: its objects may go
 
     # ---------------------------------------------------------------- directories
 

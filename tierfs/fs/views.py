@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from collections import defaultdict
@@ -17,16 +18,26 @@ if TYPE_CHECKING:
     from tierfs.fs.operations import TierOperations
 
 
-def files_list(ops: "TierOperations") -> list[dict]:
-    """One record per cataloged segment; HOT segments never sealed have no row and are not listed."""
+def files_list(ops: "TierOperations", with_hot: bool = False) -> list[dict]:
+    """One record per cataloged segment and, with_hot, per hot segment with no row as of the sealer's last scan,
+    with the reason each hot one is not sealed yet (so a stalled seal is visible, not silent)."""
     eng = ops.engine
     if eng is None:
         return []
     out = []
-    for e in sorted(eng.entries.values(), key=lambda e: e.path):
+    for e in list(eng.entries.values()):
         resident = e.resident_bytes() if e.state is State.TIERED else e.size
-        out.append({"path": e.path, "kind": e.kind, "state": e.state.value, "generation": e.generation,
-                    "size": e.size, "resident_bytes": resident, "format": e.format, "objects": e.objects})
+        rec = {"path": e.path, "kind": e.kind, "state": e.state.value, "file_id": e.file_id,
+               "generation": e.generation, "size": e.size, "resident_bytes": resident, "format": e.format,
+               "objects": e.objects}
+        if e.state is State.HOT:
+            rec["not_sealed"] = eng.hot_segments.get(e.path, ("", 0, 0, "not checked yet"))[3]
+        out.append(rec)
+    for rel, (kind, size, local, why) in list(eng.hot_segments.items()) if with_hot else ():
+        if rel not in eng.entries:
+            out.append({"path": rel, "kind": kind, "state": "hot", "size": size, "resident_bytes": local,
+                        "not_sealed": why})
+    out.sort(key=lambda r: r["path"])
     return out
 
 
@@ -38,6 +49,7 @@ def totals(eng) -> dict:
                                                      "bytes_remote": 0, "backlog_files": 0, "backlog_bytes": 0,
                                                      "backlog_age_s": 0.0})
     since: dict[str, float] = {}  # per kind: when the oldest segment waiting for upload was sealed
+    not_sealed: dict[str, int] = {}  # hot segments by the reason they are not sealed yet
     if eng is not None:
         tiered, waiting = State.TIERED, (State.SEALED, State.UPLOADING)
         for e in list(eng.entries.values()):
@@ -56,7 +68,9 @@ def totals(eng) -> dict:
                 since[e.kind] = min(since.get(e.kind, e.state_since), e.state_since)
             else:
                 k["hot"] += 1
-        for rel, (kind, size, local) in list(eng.hot_segments.items()):
+        for rel, (kind, size, local, why) in list(eng.hot_segments.items()):
+            why = re.sub(r"\d+", "N", why)  # one line per reason, not per size or offset
+            not_sealed[why] = not_sealed.get(why, 0) + 1
             if rel not in eng.entries:
                 k = per_kind[kind]
                 k["files"] += 1
@@ -70,7 +84,7 @@ def totals(eng) -> dict:
             "upload_backlog_files": sum(k["backlog_files"] for k in per_kind.values()),
             "upload_backlog_bytes": sum(k["backlog_bytes"] for k in per_kind.values()),
             "upload_backlog_age_s": round(now - min(since.values()), 1) if since else 0.0,
-            "cache_bytes": eng.cache_bytes if eng else 0, "engine": dict(vars(eng.stats)) if eng else {}}
+            "not_sealed": not_sealed, "cache_bytes": eng.cache_bytes if eng else 0, "engine": dict(vars(eng.stats)) if eng else {}}
 
 
 def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with_files: bool) -> dict:
@@ -96,9 +110,12 @@ def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with
         "read_only": ops.read_only,
         "snapshot": snapshot_status(ops.engine),
         "lease": ops.engine.lease.status() if ops.engine is not None and ops.engine.lease is not None else {},
+        "workers": {"restarts": dict(ops.engine.workers.restarts), "last_error": dict(ops.engine.workers.last_error)}
+        if ops.engine is not None else {},
     }
     if with_files:
         d["files"] = files_list(ops)
+        d["hot_segments"] = [f for f in files_list(ops, with_hot=True) if "not_sealed" in f]
     return d
 
 
@@ -153,6 +170,13 @@ def render_status(d: dict) -> str:
                    f"reads local/waited {e['reads_local']}/{e['reads_waited']}, errors {e['fetch_errors']}")
         if e["last_error"]:
             out.append(f"  last error: {e['last_error']}")
+    hot = t.get("not_sealed") or {}
+    if hot:
+        out.append("  hot segments not sealed yet, by reason: "
+                   + "; ".join(f"{why} ({n})" for why, n in sorted(hot.items(), key=lambda kv: -kv[1])))
+    w = d.get("workers") or {}
+    for name, n in sorted((w.get("restarts") or {}).items()):
+        out.append(f"  worker {name} restarted {n} times; last failure {w['last_error'].get(name, '')}")
     out += render_compaction(d.get("compaction") or {})
     out += render_snapshot(d)
     return "\n".join(out) + "\n"
@@ -173,11 +197,14 @@ def render_compaction(c: dict) -> list[str]:
 
 
 def render_segments(ops: "TierOperations") -> str:
-    lines = [f"{'path':<60} {'kind':<13} {'state':<9} {'gen':>3} {'resident%':>9}  objects"]
-    for f in files_list(ops):
+    lines = [f"{'path':<60} {'kind':<13} {'state':<9} {'gen':>5} {'resident%':>9}  objects / why not sealed"]
+    for f in files_list(ops, with_hot=True):
         pct = 100.0 * f["resident_bytes"] / f["size"] if f["size"] else 100.0
-        objs = f"{len(f['objects'])}: {f['objects'][0]} .." if f["objects"] else "-"
-        lines.append(f"{f['path']:<60} {f['kind']:<13} {f['state']:<9} {f['generation']:>3} {pct:>8.1f}%  {objs}")
+        objs = f"{len(f['objects'])}: {f['objects'][0]} .." if f.get("objects") else "-"
+        if "not_sealed" in f:
+            objs = f"not sealed: {f['not_sealed']}"
+        lines.append(f"{f['path']:<60} {f['kind']:<13} {f['state']:<9} {f.get('generation', '-'):>5} {pct:>8.1f}%  "
+                     f"{objs}")
     return "\n".join(lines) + "\n"
 
 
@@ -185,10 +212,12 @@ def render_status_json(d: dict) -> str:
     """status.json: the summary indented, the file records compact. json.dumps with an indent runs the pure-Python
     encoder, 8x slower than the C one: with 100,000 segments that took seconds, all of them on the FUSE loop."""
     files = d.pop("files", None)
+    hot = d.pop("hot_segments", None)
     head = json.dumps(d, indent=1)
     if files is None:
         return head + "\n"
-    return head[:-2] + ',\n "files": ' + json.dumps(files, separators=(",", ":")) + "\n}\n"
+    return (head[:-2] + ',\n "files": ' + json.dumps(files, separators=(",", ":"))
+            + ',\n "hot_segments": ' + json.dumps(hot or [], separators=(",", ":")) + "\n}\n")
 
 
 def install_views(ops: "TierOperations", paths: "MountPaths", config: Config) -> None:

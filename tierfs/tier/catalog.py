@@ -11,8 +11,10 @@ Blocking calls: the engine calls these methods through one worker thread (see En
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -46,6 +48,9 @@ class Entry:
     resident: bytearray = field(default_factory=bytearray)
     last_access: float = 0.0
     state_since: float = 0.0
+    file_id: int = 0  # from the catalog sequence: never reused, survives rename (0: not assigned yet)
+    ino: int = 0  # the hot file's st_ino when the row was written: reconcile re-checks it
+    pins: int = field(default=0, compare=False)  # in memory only: rematerialise/fetch in progress, never evict
 
     @property
     def nblocks(self) -> int:
@@ -94,7 +99,9 @@ CREATE TABLE IF NOT EXISTS files (
     objects TEXT NOT NULL,
     resident BLOB NOT NULL,
     last_access REAL NOT NULL,
-    state_since REAL NOT NULL
+    state_since REAL NOT NULL,
+    file_id INTEGER NOT NULL DEFAULT 0,
+    ino INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
@@ -126,7 +133,10 @@ class Artifact:
     created: float = 0.0
 
 _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "chunk_bytes", "block_bytes",
-         "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since")
+         "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since", "file_id", "ino")
+_KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generation in a segment/sidecar key
+# Deletes queued for an unlinked file that a process still holds open: due only once it is closed.
+NEVER = 1e18
 
 
 class Catalog:
@@ -137,6 +147,37 @@ class Catalog:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a catalog of an earlier version up to this one, in one transaction: rows get file ids, and the
+        id/generation sequence starts above every generation any row, queued delete or artifact names, so no
+        new object key can equal an old one (keys carry the generation)."""
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
+        with self._transaction() as db:
+            for col in ("file_id", "ino"):
+                if col not in have:
+                    db.execute(f"ALTER TABLE files ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
+            top = max(db.execute("SELECT coalesce(max(generation), 0), coalesce(max(file_id), 0) FROM files")
+                      .fetchone())
+            top = max(top, db.execute("SELECT coalesce(max(generation), 0) FROM artifacts").fetchone()[0])
+            for (key,) in db.execute("SELECT key FROM pending_deletes"):
+                m = _KEY_GENERATION.search(key)
+                if m:
+                    top = max(top, int(m.group(1)))
+            r = db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()
+            nxt = max(int(r[0]) if r else 1, top + 1)
+            unnumbered = [p for (p,) in db.execute("SELECT path FROM files WHERE file_id=0")]
+            db.executemany("UPDATE files SET file_id=? WHERE path=?", [(nxt + i, p) for i, p in enumerate(unnumbered)])
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt + len(unnumbered)),))
+
+    def allocate(self, n: int = 1) -> int:
+        """The first of n new numbers from the store's one sequence (file ids and generations alike): durable
+        before any is used, and never handed out again, so two files can never share an object key."""
+        with self._transaction() as db:
+            first = int(db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()[0])
+            db.execute("UPDATE meta SET v=? WHERE k='next_id'", (str(first + n),))
+        return first
 
     def close(self) -> None:
         with self._lock:
@@ -156,13 +197,14 @@ class Catalog:
                      generation=d["generation"], format=d["format"], chunk_bytes=d["chunk_bytes"],
                      block_bytes=d["block_bytes"], crc32c=d["crc32c"], block_crcs=json.loads(d["block_crcs"]),
                      objects=json.loads(d["objects"]), resident=bytearray(d["resident"]),
-                     last_access=d["last_access"], state_since=d["state_since"])
+                     last_access=d["last_access"], state_since=d["state_since"], file_id=d["file_id"],
+                     ino=d["ino"])
 
     @staticmethod
     def _row(e: Entry) -> tuple:
         return (e.path, e.kind, e.size, e.mtime_ns, e.state.value, e.generation, e.format, e.chunk_bytes,
                 e.block_bytes, e.crc32c, json.dumps(e.block_crcs), json.dumps(e.objects), bytes(e.resident),
-                e.last_access, e.state_since)
+                e.last_access, e.state_since, e.file_id, e.ino)
 
     def put(self, e: Entry) -> None:
         """Insert or replace a row, durably (one transaction)."""
@@ -175,18 +217,59 @@ class Catalog:
         """Persist resident bitmaps and access times of several entries in one transaction."""
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.executemany("UPDATE files SET resident=?, last_access=? WHERE path=?",
-                                 [(bytes(e.resident), e.last_access, e.path) for e in entries])
+            self._db.executemany("UPDATE files SET resident=?, last_access=? WHERE file_id=?",
+                                 [(bytes(e.resident), e.last_access, e.file_id) for e in entries])
             self._db.execute("COMMIT")
 
-    def remove(self, path: str, delete_keys: list[str], not_before: float) -> None:
-        """Drop a row and queue its objects for deletion after the grace period, atomically."""
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One durable transaction under the lock: all of it commits, or none of it."""
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM files WHERE path=?", (path,))
-            self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
-                                 [(k, not_before) for k in delete_keys])
-            self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _queue_locked(self, keys: list[str], not_before: float) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
+
+    def remove(self, path: str, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
+        """Drop a row (and its artifacts of these kinds) and queue their objects for deletion, atomically."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM files WHERE path=?", (path,))
+            self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(path, artifacts), not_before)
+
+    def replace(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
+        """Rewrite a row (e.g. TIERED -> HOT at a new generation) and queue the objects it no longer uses and
+        its artifacts of these kinds for deletion: one transaction, so a crash leaks nothing."""
+        with self._transaction() as db:
+            db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
+                       self._row(e))
+            self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(e.path, artifacts), not_before)
+
+    def _drop_artifacts_locked(self, path: str, kinds: tuple[str, ...]) -> list[str]:
+        if not kinds:
+            return []
+        marks = ",".join("?" * len(kinds))
+        rows = self._db.execute(f"SELECT keys FROM artifacts WHERE path=? AND kind IN ({marks})",
+                                (path, *kinds)).fetchall()
+        self._db.execute(f"DELETE FROM artifacts WHERE path=? AND kind IN ({marks})", (path, *kinds))
+        return [k for r in rows for k in json.loads(r[0])]
+
+    def schedule_deletes(self, keys: list[str], not_before: float) -> None:
+        """Set when already queued deletes fall due (an unlinked file's objects, once its last holder closed)."""
+        with self._lock:
+            self._db.executemany("UPDATE pending_deletes SET not_before=? WHERE key=?",
+                                 [(not_before, k) for k in keys])
+
+    def release_held_deletes(self, not_before: float) -> int:
+        """At mount: deletes held for open files of an earlier daemon fall due (no process holds them now)."""
+        with self._lock:
+            return self._db.execute("UPDATE pending_deletes SET not_before=? WHERE not_before>=?",
+                                    (not_before, NEVER)).rowcount
 
     def rename(self, old: str, new: str) -> None:
         with self._lock:
@@ -203,23 +286,15 @@ class Catalog:
                  artifacts: list[Artifact] = ()) -> None:
         """Rows, artifacts and deferred deletes in one transaction: a crash leaves all or none of them."""
         now = time.time()
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                for e in entries:
-                    e.state_since = e.state_since or now
-                    self._db.execute(
-                        f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
-                        self._row(e))
-                self._db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
-                                     [(a.path, a.kind, a.generation, json.dumps(a.keys), json.dumps(a.info),
-                                       a.created or now) for a in artifacts])
-                self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
-                                     [(k, not_before) for k in delete_keys])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            for e in entries:
+                e.state_since = e.state_since or now
+                db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
+                           self._row(e))
+            db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
+                           [(a.path, a.kind, a.generation, json.dumps(a.keys), json.dumps(a.info), a.created or now)
+                            for a in artifacts])
+            self._queue_locked(delete_keys, not_before)
 
     # -- pipeline artifacts
 
@@ -231,17 +306,9 @@ class Catalog:
 
     def drop_artifacts(self, path: str, kinds: tuple[str, ...], not_before: float) -> list[str]:
         """Forget `path`'s artifacts of these kinds (its content changed or it is gone) and queue their objects."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            rows = self._db.execute(
-                f"SELECT keys FROM artifacts WHERE path=? AND kind IN ({','.join('?' * len(kinds))})",
-                (path, *kinds)).fetchall()
-            keys = [k for r in rows for k in json.loads(r[0])]
-            self._db.execute(f"DELETE FROM artifacts WHERE path=? AND kind IN ({','.join('?' * len(kinds))})",
-                             (path, *kinds))
-            self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
-                                 [(k, not_before) for k in keys])
-            self._db.execute("COMMIT")
+        with self._transaction():
+            keys = self._drop_artifacts_locked(path, kinds)
+            self._queue_locked(keys, not_before)
         return keys
 
     # -- deferred deletes
@@ -263,17 +330,6 @@ class Catalog:
     def pending_delete_count(self) -> int:
         with self._lock:
             return self._db.execute("SELECT count(*) FROM pending_deletes").fetchone()[0]
-
-    # -- meta
-
-    def get_meta(self, k: str) -> str | None:
-        with self._lock:
-            r = self._db.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
-        return r[0] if r else None
-
-    def set_meta(self, k: str, v: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
 
 
 # The row shape, public for tables that reuse it (catalog snapshots: tierfs.tier.snapshot).

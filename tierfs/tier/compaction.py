@@ -17,6 +17,7 @@ HOT/.tierfs/compaction/requests/ and then follows the job's directory.
 from __future__ import annotations
 
 import datetime as dt
+import dataclasses
 import json
 import logging
 import os
@@ -344,12 +345,18 @@ class Compactor:
         except Exception as err:  # noqa: BLE001 - a bad object is reported, never swapped in
             log.error("compacted object %s of %s rejected: %s", row["key"], e.path, err)
             return f"rejected: {err}"
-        if eng.entries.get(row["path"]) is not e or e.state is not State.TIERED or e.generation != row["generation"]:
+        if not eng.is_live(e) or e.state is not State.TIERED or e.generation != row["generation"]:
             return "skipped"
         old_keys = e.objects
-        e.format, e.objects, e.chunk_bytes = "lz4c", [row["key"]], e.nblocks * e.block_bytes
+        # the swapped row is a copy (no await between it and queueing the commit); memory follows the commit
+        # (resident bits: none; the engine persists the live ones after an fdatasync, never ahead of the bytes)
+        swapped = dataclasses.replace(e, format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
+                                      resident=bytearray(len(e.resident)), pins=0)
+        await eng._db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
         eng._footers[row["key"]] = footer
-        await eng._db(eng.catalog.swap, e, old_keys, time.time() + grace)
+        if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
+            e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes
+            eng.residency_changed(e)
         return None
 
     # ------------------------------------------------------------------ status

@@ -22,12 +22,13 @@ import random
 import sqlite3
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import crc32c
 import trio
+import dataclasses
 
 from tierfs import failpoints
 from tierfs.config import Config
@@ -37,7 +38,7 @@ from tierfs.store.paths import Kind, classify
 from tierfs.store.seal import SealParams, is_sealed
 from tierfs.tier import layout
 from tierfs.tier import lz4c
-from tierfs.tier.catalog import Catalog, Entry, State
+from tierfs.tier.catalog import NEVER, Catalog, Entry, State
 from tierfs.tier.compaction import Compactor
 from tierfs.tier import snapshot
 from tierfs.tier import storeconfig
@@ -139,6 +140,35 @@ def read_lz4c_footer(store: ObjectStore, key: str) -> "lz4c.Footer":
     return lz4c.parse_footer(trailer, store.get_range(key, trailer.footer_offset, trailer.footer_length))
 
 
+class Fetch:
+    """One ranged GET in flight for a run of blocks. Its outcome travels with it: a reader gets the error of the
+    fetch it waited for, never one left over from an earlier fetch of the same blocks."""
+
+    __slots__ = ("done", "error", "gave_up")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: str | None = None
+        self.gave_up = False  # a reader already waited the whole bound on it
+
+
+@dataclass
+class WorkerStats:
+    """Restarts of supervised background workers, for `tierfs status` and tierfs_worker_restarts_total."""
+
+    restarts: dict = field(default_factory=dict)  # worker name -> count
+    last_error: dict = field(default_factory=dict)  # worker name -> "when: what"
+
+
+class ShortRead(OSError):
+    """The hot file no longer holds what was sealed (it shrank, or was replaced): not an upload failure to
+    retry forever, but a changed file to seal again."""
+
+    def __init__(self, keys: list[str], msg: str):
+        super().__init__(errno.EIO, msg)
+        self.keys = keys
+
+
 class ReadFailed(OSError):
     """A read of evicted bytes that cannot be served (object store down past the bound, corrupt object)."""
 
@@ -190,28 +220,34 @@ class Engine:
         self.lease: WriterLease | None = None  # writable mounts: set by take_lease() before serving
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
             storeconfig.save(state_dir, self._store_url(), self._store_options(), self.store_id)  # for `tierfs fsck`
-        self.entries: dict[str, Entry] = {}  # every catalog row, by path
+        # One owner of file state: `files` holds every entry by its file id (never reused, survives rename);
+        # `entries` (path) and `tiered` (hot-dir st_ino, the FUSE fast path) are indexes into it.
+        self.files: dict[int, Entry] = {}
+        self.entries: dict[str, Entry] = {}  # entries that have a name, by path
         self.tiered = TieredIndex()  # TIERED entries by hot-dir st_ino: the FUSE fast path
-        self._ino_of: dict[str, int] = {}
-        self._fds: dict[str, int] = {}  # engine-owned O_RDWR fds of tiered hot files
+        self.orphans: dict[int, Entry] = {}  # unlinked while open: served through open fds until the last close
+        self._fds: dict[int, int] = {}  # engine-owned O_RDWR fds of tiered hot files, by file id
+        self.mountpoint: Path | None = None  # the sealer flushes quiet segments through the mount (mount.py sets it)
+        self.workers = WorkerStats()
         self.last_write: dict[int, float] = {}
         self.last_fsync: dict[int, float] = {}
         self.write_seq: dict[int, int] = {}
-        self._inflight: dict[tuple[str, int, int], trio.Event] = {}
-        self._gave_up: set[trio.Event] = set()  # in-flight fetches a reader already timed out on
+        self._inflight: dict[tuple[int, int, int], Fetch] = {}  # (file id, generation, block) -> its fetch
         self._untierable: set[str] = set()  # segments whose object keys the store refuses: kept local
         self._refused: dict[str, str] = {}  # path -> the corrupt-content reason last logged for it
-        self._fetch_errors: dict[tuple[str, int, int], str] = {}
-        self._dirty_residency: set[str] = set()
-        self._seal_candidates: set[str] = set()
+        self._dirty_residency: set[int] = set()  # file ids
+        self._seal_candidates: dict[str, int] = {}  # path -> st_ino when it became a candidate (0: unknown)
+        self._probing: dict[int, int] = {}  # st_ino -> probes reading it now: a truncate waits (no SIGBUS)
+        self._probe_done = trio.Event()
+        self._flushed: dict[int, tuple[int, int]] = {}  # st_ino -> (write seq, mtime) when the sealer flushed it
         # (size, mtime, ctime, write seq) of segments whose content was found incomplete: a scan skips them
         # until one of those changes, so a periodic scan re-reads only what may have changed
         self._unsealed: dict[str, tuple[int, int, int, int]] = {}
         self._ns_changes = 0  # unlinks and renames seen: a seal batch re-checks its paths when this moved
-        self._sealed_at_seq: dict[str, int] = {}  # write_seq when sealed: a later write voids the upload
+        self._sealed_at_seq: dict[int, int] = {}  # file id -> write_seq when sealed: a later write voids the upload
         self._upload_queue = UploadQueue()
         self._upload_wakeup = trio.Event()
-        self._uploading: set[str] = set()
+        self._uploading: set[str] = set()  # paths
         self.started_at = time.time()  # multipart uploads initiated before this are a crashed daemon's
         self._sweep_done = trio.Event()  # uploaders start after the first stale-upload sweep
         bw = int(config["upload.bandwidth_bytes_per_second"])
@@ -286,9 +322,15 @@ class Engine:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     def reconcile(self) -> None:
-        """On mount: load the catalog, match it against the hot dir, resume what was in flight."""
+        """On mount: load the catalog, match each row against its hot file, resume what was in flight. A row whose
+        file changed behind the daemon's back (other inode, other size, or a sealed file written since) no longer
+        describes it: the row goes, the file is HOT again and the sealer looks at it afresh."""
         now = time.time()
         grace = float(self.config["delete.grace_seconds"])
+        if not self.read_only:
+            held = self.catalog.release_held_deletes(now + grace)
+            if held:
+                log.info("%d object deletes held for files open at the last unmount fall due in %.0f s", held, grace)
         for e in self.catalog.load_all():
             try:
                 st = os.lstat(self.hot / e.path)
@@ -297,10 +339,21 @@ class Engine:
                     log.error("read-only cache: %s is missing from the local tree; not served", e.path)
                     continue
                 log.warning("catalog row %s has no hot file (deleted while unmounted); deleting its objects", e.path)
-                self.catalog.remove(e.path, e.objects, now + grace)
+                self.catalog.remove(e.path, e.objects, now + grace, artifacts=("cidx",))
                 continue
+            changed = self._changed_while_unmounted(e, st)
+            if changed and not self.read_only:
+                log.warning("%s changed behind the daemon's back (%s): its catalog row (%s, gen %d) is dropped "
+                            "and the file is sealed again from its local bytes", e.path, changed, e.state.value,
+                            e.generation)
+                self.catalog.remove(e.path, e.objects, now + grace, artifacts=("cidx",))
+                continue
+            if not e.file_id or e.file_id in self.files:  # a read-only cache's rows come from snapshot files
+                e.file_id = self.catalog.allocate(1)
+                self.catalog.put(e)
+            e.ino = st.st_ino
+            self.files[e.file_id] = e
             self.entries[e.path] = e
-            self._ino_of[e.path] = st.st_ino
             if e.state in (State.SEALED, State.UPLOADING):
                 self._upload_queue.push(e.path, e.mtime_ns)
             elif e.state is State.TIERED:
@@ -311,26 +364,64 @@ class Engine:
         log.info("catalog: %d rows, %d tiered, %d to upload, %d deletes pending", len(self.entries),
                  len(self.tiered), len(self._upload_queue), self.catalog.pending_delete_count())
 
+    @staticmethod
+    def _changed_while_unmounted(e: Entry, st: os.stat_result) -> str:
+        """Why a row no longer matches its hot file, or ''. A TIERED file's local bytes are holes and pinned
+        pages, so only its identity and size can be checked; a SEALED one must still be exactly what sealed."""
+        if e.ino and st.st_ino != e.ino:
+            return f"inode {st.st_ino}, was {e.ino}"
+        if e.state is State.HOT:
+            return ""
+        if st.st_size != e.size:
+            return f"size {st.st_size}, was {e.size}"
+        if e.state is not State.TIERED and st.st_mtime_ns != e.mtime_ns:
+            return "written since it was sealed"
+        return ""
+
+    def is_live(self, e: Entry) -> bool:
+        """Is `e` still the engine's entry for its file (not unlinked and closed, not replaced)?"""
+        return self.files.get(e.file_id) is e
+
     async def run(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         if self.read_only:
-            nursery.start_soon(self._evictor_loop)  # fetch, read-ahead and evict; nothing else
+            nursery.start_soon(self._supervise, "evictor", self._evictor_loop)  # fetch, read-ahead and evict
             return
         if not self.enabled:
             return
         if self.lease is not None:
-            nursery.start_soon(self.lease.run, self.limiter)
+            nursery.start_soon(self._supervise, "lease", self.lease.run, self.limiter)
         if self.snapshotter is not None:
-            nursery.start_soon(self.snapshotter.run)
-        nursery.start_soon(self._sealer_loop)
-        nursery.start_soon(self._sweep_stale_uploads)
+            nursery.start_soon(self._supervise, "snapshotter", self.snapshotter.run)
+        nursery.start_soon(self._supervise, "sealer", self._sealer_loop)
+        nursery.start_soon(self._supervise, "upload-sweep", self._sweep_stale_uploads)
         if self.upload_limit is not None:
             nursery.start_soon(self._close_limiter_on_cancel)
-        for _ in range(int(self.config["upload.concurrency"])):
-            nursery.start_soon(self._uploader_loop)
-        nursery.start_soon(self._evictor_loop)
-        nursery.start_soon(self._janitor_loop)
-        nursery.start_soon(self.compactor.run)
+        for i in range(int(self.config["upload.concurrency"])):
+            nursery.start_soon(self._supervise, "uploader", self._uploader_loop)
+        nursery.start_soon(self._supervise, "evictor", self._evictor_loop)
+        nursery.start_soon(self._supervise, "janitor", self._janitor_loop)
+        nursery.start_soon(self._supervise, "compaction", self.compactor.run)
+
+    async def _supervise(self, name: str, fn: Callable, *args) -> None:
+        """Run a background worker for the life of the mount: an exception is logged with its context, counted
+        and shown in status, and the worker starts again after a backoff. The FUSE session never ends because a
+        worker failed (a dead mount under a broker loses the dirty pages it already acknowledged)."""
+        backoff = 1.0
+        while True:
+            started = time.monotonic()
+            try:
+                await fn(*args)
+                return  # a worker that has nothing (more) to do
+            except Exception as err:  # noqa: BLE001 - supervised: anything but cancellation restarts it
+                w = self.workers
+                w.restarts[name] = w.restarts.get(name, 0) + 1
+                w.last_error[name] = f"{time.strftime('%H:%M:%S')}: {type(err).__name__}: {err}"
+                log.exception("worker %s failed (restart %d in %.0f s)", name, w.restarts[name], backoff)
+            if time.monotonic() - started > 60:
+                backoff = 1.0  # it ran a while: a new fault, not the same one again
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 60.0)
 
     async def _sweep_stale_uploads(self) -> None:
         """Abort the multipart uploads a crashed daemon left under <store-id>/ (DESIGN §5), retrying until one
@@ -398,49 +489,89 @@ class Engine:
     # ------------------------------------------------------------------ events from the FUSE front
 
     def note_write(self, ino: int) -> None:
+        """A write or truncate of the file: it voids a seal or an upload in flight (write_seq moves)."""
         self.last_write[ino] = time.monotonic()
         self.write_seq[ino] = self.write_seq.get(ino, 0) + 1
 
     def note_fsync(self, ino: int, rel: str) -> None:
         self.last_fsync[ino] = time.monotonic()
         if classify(rel).is_segment:
-            self._seal_candidates.add(rel)
+            self._seal_candidates[rel] = ino
 
-    def attrs_override(self, ino: int) -> Entry | None:
+    def tiered_entry(self, ino: int) -> Entry | None:
+        """The entry a read of this inode must go through (tiered bytes may be holes locally), or None."""
         return self.tiered.get(ino)
 
-    async def on_unlink(self, rel: str) -> None:
+    async def truncate_barrier(self, ino: int) -> None:
+        """Called before any truncate: wait while a seal probe reads the file, so the probe never maps pages
+        that a truncate is removing (a SIGBUS in the daemon)."""
+        while ino in self._probing:
+            await self._probe_done.wait()
+
+    async def on_unlink(self, rel: str, ino: int, held_fd: int | None) -> None:
+        """The name is gone (unlink, or replaced by a rename). A tiered file still open through `held_fd` keeps
+        its entry and its objects until the last close; the row goes now, in one transaction with the deletes."""
         self._ns_changes += 1
         self._untierable.discard(rel)
         self._refused.pop(rel, None)
         self._unsealed.pop(rel, None)
-        e = self.entries.pop(rel, None)
-        ino = self._ino_of.pop(rel, None)
-        if e is None:
+        self._seal_candidates.pop(rel, None)
+        e = self.entries.get(rel)
+        if e is None or (e.ino and e.ino != ino):
             return
-        # only what is in `tiered` counts in cache_bytes (an entry whose TIERED commit is running is not yet)
-        if ino is not None and self.tiered.pop(ino, None) is not None:
-            self.cache_bytes -= e.resident_bytes()
-        self._forget_fd(rel)
         grace = float(self.config["delete.grace_seconds"])
-        await self._db(self.catalog.remove, rel, e.objects, time.time() + grace)
-        await self._db(self.catalog.drop_artifacts, rel, ("cidx",), time.time() + grace)
+        keep = e.state is State.TIERED and held_fd is not None and self.tiered.get(ino) is e
+        if keep and e.file_id not in self._fds:
+            self._fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
+        await self._db(self.catalog.remove, rel, e.objects, NEVER if keep else time.time() + grace, ("cidx",))
+        failpoints.hit("tier.unlinked")
+        if self.entries.get(rel) is e:
+            del self.entries[rel]
+        if keep:
+            self.orphans[ino] = e
+            log.info("%s deleted while open: served through its open fds; %d objects go %.0f s after the last "
+                     "close", rel, len(e.objects), grace)
+            return
+        self._drop(e)
         log.info("%s deleted: %d objects deleted after %.0f s", rel, len(e.objects), grace)
 
+    async def on_released(self, ino: int) -> None:
+        """The last open fd of an inode closed and it has no name: an orphan's objects now go after the grace."""
+        e = self.orphans.pop(ino, None)
+        if e is None:
+            return
+        self._drop(e)
+        grace = float(self.config["delete.grace_seconds"])
+        await self._db(self.catalog.schedule_deletes, e.objects, time.time() + grace)
+        log.info("%s: last holder closed; %d objects deleted after %.0f s", e.path, len(e.objects), grace)
+
+    def _drop(self, e: Entry) -> None:
+        """Forget a file that is gone for good (its row is already gone)."""
+        if self.files.get(e.file_id) is e:
+            del self.files[e.file_id]
+        if self.tiered.get(e.ino) is e:
+            del self.tiered[e.ino]
+            self.cache_bytes -= e.resident_bytes()
+        self._forget_fd(e.file_id)
+        self._sealed_at_seq.pop(e.file_id, None)
+        self._dirty_residency.discard(e.file_id)
+
     async def on_rename(self, old: str, new: str) -> None:
+        """Memory first, then the row: the one catalog thread runs transactions in order (trio's limiter is
+        FIFO) and every row written after this reads the new path, so the catalog ends as memory says."""
         self._ns_changes += 1
         self._unsealed.pop(old, None)
         self._unsealed.pop(new, None)
+        ino = self._seal_candidates.pop(old, None)
         e = self.entries.pop(old, None)
         if e is None:
-            self.entries.pop(new, None)
+            if ino is not None:
+                self._seal_candidates[new] = ino
             return
         e.path = new
         self.entries[new] = e
-        if old in self._ino_of:
-            self._ino_of[new] = self._ino_of.pop(old)
-        if old in self._fds:
-            self._fds[new] = self._fds.pop(old)
+        if e.state is State.HOT:
+            self._seal_candidates[new] = e.ino
         await self._db(self.catalog.rename, old, new)
 
     # ------------------------------------------------------------------ sealing
@@ -451,20 +582,22 @@ class Engine:
         while True:
             if time.monotonic() >= next_scan:
                 found, self.hot_segments = await trio.to_thread.run_sync(self._scan_segments)
-                self._seal_candidates.update(found)
+                for rel, ino in found:
+                    self._seal_candidates.setdefault(rel, ino)
                 next_scan = time.monotonic() + interval
-            todo = list(self._seal_candidates)
+            todo = list(self._seal_candidates.items())
             for i in range(0, len(todo), _SEAL_BATCH):
-                await self._seal_batch(todo[i:i + _SEAL_BATCH])
+                await self._seal_batch(dict(todo[i:i + _SEAL_BATCH]))
             await trio.sleep(min(1.0, interval))
 
-    def _scan_segments(self) -> tuple[list[str], dict[str, tuple[str, int, int]]]:
+    def _scan_segments(self) -> tuple[list[tuple[str, int]], dict[str, tuple[str, int, int, str]]]:
         """Blocking: one walk of the segment dirs, for the sealer and for `tierfs status`. Returns the seal
-        candidates, and (kind, size, local bytes) of every segment with no catalog row or a HOT one. A segment
-        past HOT costs a directory entry and no stat (the catalog has its numbers); one whose content was found
-        incomplete is a candidate again only once its size, mtime, ctime or write count has moved."""
-        found: list[str] = []
-        usage: dict[str, tuple[str, int, int]] = {}
+        candidates (path, st_ino), and (kind, size, local bytes, why not sealed) of every segment with no catalog
+        row or a HOT one. A segment past HOT costs a directory entry and no stat (the catalog has its numbers),
+        but one whose inode is not the row's was replaced behind the daemon's back: a candidate again. One whose
+        content was found incomplete is a candidate again only once its size, mtime, ctime or write count moved."""
+        found: list[tuple[str, int]] = []
+        usage: dict[str, tuple[str, int, int, str]] = {}
         entries, unsealed, write_seq = self.entries, self._unsealed, self.write_seq
         hot = str(self.hot)
         stack = list(SEGMENT_DIRS)
@@ -472,43 +605,63 @@ class Engine:
             d = stack.pop()
             try:
                 it = os.scandir(f"{hot}/{d}")
-            except (FileNotFoundError, NotADirectoryError):
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
                 continue
             with it:
                 for de in it:
                     rel = f"{d}/{de.name}"
-                    if de.is_dir(follow_symlinks=False):
-                        stack.append(rel)
-                        continue
-                    e = entries.get(rel)
-                    if (e is not None and e.state is not State.HOT) or not de.is_file(follow_symlinks=False):
-                        continue
-                    kind = classify(rel)
-                    if not kind.is_segment:
-                        continue
                     try:
+                        if de.is_dir(follow_symlinks=False):
+                            stack.append(rel)
+                            continue
+                        e = entries.get(rel)
+                        if e is not None and e.state is not State.HOT and e.ino == de.inode():
+                            continue
+                        if not de.is_file(follow_symlinks=False):
+                            continue
+                        kind = classify(rel)
+                        if not kind.is_segment:
+                            continue
                         st = de.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    usage[rel] = (kind.value, st.st_size, min(st.st_size, st.st_blocks * 512))
-                    if unsealed.get(rel) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns, write_seq.get(st.st_ino, 0)):
-                        found.append(rel)
+                    except OSError:
+                        continue  # gone, or unreadable: the next scan looks again
+                    why = unsealed.get(rel, (0, 0, 0, 0, "not checked yet"))
+                    usage[rel] = (kind.value, st.st_size, min(st.st_size, st.st_blocks * 512), why[4])
+                    if why[:4] != (st.st_size, st.st_mtime_ns, st.st_ctime_ns, write_seq.get(st.st_ino, 0)):
+                        found.append((rel, st.st_ino))
         return found, usage
 
-    async def _seal_batch(self, rels: list[str]) -> None:
-        """Probe candidates in one worker-thread hop (stat, the flush and quiet rules, the content rule), then
-        seal those that pass in one catalog transaction: sealing is bookkeeping, and 100,000 small segments
-        must not cost 100,000 synchronous commits."""
+    async def _seal_batch(self, cands: dict[str, int]) -> None:
+        """Probe candidates in one worker-thread hop (stat, the quiet rule, the content rule), then seal those
+        that pass in one catalog transaction: sealing is bookkeeping, and 100,000 small segments must not cost
+        100,000 synchronous commits. A quiet segment with writes the daemon has not seen flushed is flushed by
+        the daemon itself, through the mount, first: a broker under ASYNC_FLUSH may never fsync its last pages."""
         ns0 = self._ns_changes
-        probes = await trio.to_thread.run_sync(self._probe, rels)
-        sealed: list[tuple[Entry, Entry | None, int, int, str]] = []  # entry, the one it replaces, ino, seq, why
+        inos = [ino for ino in cands.values() if ino]
+        for ino in inos:
+            self._probing[ino] = self._probing.get(ino, 0) + 1
+        try:
+            probes = await trio.to_thread.run_sync(self._probe, cands)
+        finally:
+            for ino in inos:
+                n = self._probing.pop(ino) - 1
+                if n:
+                    self._probing[ino] = n
+            self._probe_done.set()
+            self._probe_done = trio.Event()
+        sealed: list[tuple[Entry, Entry | None, int, str]] = []  # entry, the one it replaces, seq, why
+        flush: list[tuple[str, int, tuple[int, int]]] = []
         for rel, verdict in probes:
             what = verdict[0]
             if what == "wait":
                 continue
-            self._seal_candidates.discard(rel)
+            if what == "flush":
+                flush.append((rel, verdict[1], verdict[2]))
+                continue
+            if self._seal_candidates.get(rel) == cands[rel]:
+                del self._seal_candidates[rel]
             if what == "retry":  # e.g. the hot dir (and the catalog) full: try again
-                self._seal_candidates.add(rel)
+                self._seal_candidates[rel] = cands[rel]
                 log.warning("sealing %s failed (%s); will retry", rel, verdict[1])
                 continue
             if what == "bad":
@@ -518,7 +671,7 @@ class Engine:
                 continue
             _, st, seq, kind, ok, why = verdict
             if not ok:
-                self._unsealed[rel] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, seq)
+                self._unsealed[rel] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, seq, why)
                 if why.startswith("corrupt") and self._refused.get(rel) != why:
                     self._refused[rel] = why
                     log.warning("%s not sealed: %s; it stays hot", rel, why)
@@ -528,73 +681,132 @@ class Engine:
             self._refused.pop(rel, None)
             e = self.entries.get(rel)
             if self.write_seq.get(st.st_ino, 0) != seq:
-                self._seal_candidates.add(rel)
+                self._seal_candidates[rel] = st.st_ino
                 continue
-            if (e is not None and e.state is not State.HOT) or rel in self._untierable:
+            if (e is not None and (e.state is not State.HOT or e.ino != st.st_ino)) or rel in self._untierable:
                 continue
             if self._ns_changes != ns0:  # unlinks or renames since the probe: seal only what is still there
                 try:
                     if os.lstat(self.hot / rel).st_ino != st.st_ino:
-                        self._seal_candidates.add(rel)
+                        self._seal_candidates[rel] = 0
                         continue
                 except FileNotFoundError:
                     continue
-            gen = e.generation if e is not None else 0
             entry = Entry(path=rel, kind=kind.value, size=st.st_size, mtime_ns=st.st_mtime_ns, state=State.SEALED,
-                          generation=gen, chunk_bytes=self.chunk, block_bytes=self.block, state_since=time.time())
-            sealed.append((entry, e, st.st_ino, seq, why))
+                          generation=e.generation if e is not None else 0, chunk_bytes=self.chunk,
+                          block_bytes=self.block, state_since=time.time(),
+                          file_id=e.file_id if e is not None else 0, ino=st.st_ino)
+            sealed.append((entry, e, seq, why))
+        if flush:
+            self._nursery_start(self._flush_through_mount, flush)
         if sealed:
             await self._commit_sealed(sealed)
 
-    async def _commit_sealed(self, sealed: list[tuple[Entry, Entry | None, int, int, str]]) -> None:
-        # the rows go into `entries` before the commit, so an unlink meanwhile finds its row and removes it
-        # (after ours: one catalog thread, first come first served) instead of leaving a row without a file
-        for entry, _, ino, seq, _ in sealed:
-            self.entries[entry.path] = entry
-            self._ino_of[entry.path] = ino
-            self._sealed_at_seq[entry.path] = seq
-            self._unsealed.pop(entry.path, None)
+    def _nursery_start(self, fn: Callable, *args) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    async def _flush_through_mount(self, todo: list[tuple[str, int, tuple[int, int]]]) -> None:
+        """fsync quiet segments through the mount from a worker thread, so the kernel writes back every page
+        still dirty for them (as WRITEs to this daemon) before they are judged complete. Our own fsync handler
+        then records the flush and makes them candidates again."""
+        if self.mountpoint is None:
+            return
+        for rel, ino, mark in todo:
+            self._flushed[ino] = mark
+
+        def flush() -> list[str]:
+            failed = []
+            for rel, _, _ in todo:
+                try:
+                    fd = os.open(f"{self.mountpoint}/{rel}", os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as err:
+                    failed.append(f"{rel}: {err}")
+            return failed
+
+        failed = await trio.to_thread.run_sync(flush, abandon_on_cancel=True)
+        for what in failed:
+            log.warning("flushing quiet segment %s through the mount failed; will retry", what)
+        for rel, ino, _ in todo:
+            self._seal_candidates.setdefault(rel, ino)
+
+    async def _commit_sealed(self, sealed: list[tuple[Entry, Entry | None, int, str]]) -> None:
+        """One transaction for the batch, then memory. New files take a file id (and first generation) from the
+        catalog sequence first, so no two files ever share an object key."""
+        fresh = [s[0] for s in sealed if not s[0].file_id]
         try:
+            if fresh:
+                first = await self._db(self.catalog.allocate, len(fresh))
+                for i, entry in enumerate(fresh):
+                    entry.file_id = entry.generation = first + i
             await self._db(self.catalog.put_many, [s[0] for s in sealed], [], 0.0)
-        except BaseException as err:
-            for entry, prev, *_ in sealed:
-                if self.entries.get(entry.path) is entry:
-                    if prev is None:
-                        del self.entries[entry.path]
-                    else:
-                        self.entries[entry.path] = prev
-                    self._seal_candidates.add(entry.path)
-            if isinstance(err, (ValueError, UnicodeError)):
-                if len(sealed) > 1:  # find the one row SQLite refuses; the others seal
-                    for one in sealed:
-                        await self._commit_sealed([one])
-                    return
-                self._seal_candidates.discard(sealed[0][0].path)
-                log.error("sealing %s failed (%s); it stays hot", sealed[0][0].path, err)
+        except (ValueError, UnicodeError) as err:
+            if len(sealed) > 1:  # find the one row SQLite refuses; the others seal
+                for one in sealed:
+                    await self._commit_sealed([one])
                 return
-            if isinstance(err, (OSError, sqlite3.Error)):  # e.g. the hot dir (and the catalog) full
-                log.warning("sealing %d segments failed (%s); will retry", len(sealed), err)
-                return
-            raise
-        for entry, _, _, _, why in sealed:
-            if self.entries.get(entry.path) is entry:  # not unlinked while the commit ran
-                self._upload_queue.push(entry.path, entry.mtime_ns)
+            log.error("sealing %s failed (%s); it stays hot", sealed[0][0].path, err)
+            return
+        except (OSError, sqlite3.Error) as err:  # e.g. the hot dir (and the catalog) full
+            log.warning("sealing %d segments failed (%s); will retry", len(sealed), err)
+            for entry, *_ in sealed:
+                self._seal_candidates[entry.path] = entry.ino
+            return
+        failpoints.hit("tier.sealed")
+        stale: list[Entry] = []
+        for entry, prev, seq, why in sealed:
+            # re-checked after the commit's await: unlinked, renamed, replaced or written meanwhile?
+            if (self.entries.get(entry.path) is not prev or self.write_seq.get(entry.ino, 0) != seq
+                    or not self._same_inode(entry)):
+                stale.append(entry)
+                continue
+            self.files[entry.file_id] = entry
+            self.entries[entry.path] = entry
+            self._sealed_at_seq[entry.file_id] = seq
+            self._unsealed.pop(entry.path, None)
+            self._upload_queue.push(entry.path, entry.mtime_ns)
             log.log(logging.INFO if len(sealed) == 1 else logging.DEBUG, "sealed %s (%s, %d bytes, gen %d)",
                     entry.path, why, entry.size, entry.generation)
+        if stale:
+            await self._unseal_stale(stale)
         if len(sealed) > 1:
             log.info("sealed %d segments (%d bytes), %s .. %s", len(sealed), sum(s[0].size for s in sealed),
                      sealed[0][0].path, sealed[-1][0].path)
         self._upload_wakeup.set()
 
-    def _probe(self, rels: list[str]) -> list[tuple[str, tuple]]:
-        """Blocking: each candidate's verdict. ('wait',): not flushed after its last write, or not quiet yet;
-        ('drop',): gone, past HOT, or kept local; ('retry', err) / ('bad', err): unreadable now / for good;
+    def _same_inode(self, e: Entry) -> bool:
+        try:
+            return os.lstat(self.hot / e.path).st_ino == e.ino
+        except OSError:
+            return False
+
+    async def _unseal_stale(self, stale: list[Entry]) -> None:
+        """Rows committed for files that changed while the commit ran: the row goes again (no objects exist
+        yet), and the path is looked at afresh by the sealer."""
+        for e in stale:
+            cur = self.entries.get(e.path)
+            if cur is not None and cur is not e:
+                continue  # the path's row is someone else's now (a rename over it committed after ours)
+            await self._db(self.catalog.remove, e.path, [], 0.0)
+            self._seal_candidates[e.path] = 0
+            log.info("%s changed while its seal was committed; it stays hot", e.path)
+
+    def _probe(self, cands: dict[str, int]) -> list[tuple[str, tuple]]:
+        """Blocking: each candidate's verdict. ('wait',): not quiet yet; ('flush', ino, mark): quiet, but
+        written since the last flush the daemon saw; ('drop',): gone, past HOT, or kept local;
+        ('retry', err) / ('bad', err): unreadable now / for good;
         ('checked', lstat, write seq before the read, kind, sealed?, why)."""
         quiet = float(self.config["seal.quiet_seconds"])
         out: list[tuple[str, tuple]] = []
-        for rel in rels:
+        for rel, ino in cands.items():
             try:
-                out.append((rel, self._probe_one(rel, quiet)))
+                out.append((rel, self._probe_one(rel, ino, quiet)))
             except FileNotFoundError:
                 out.append((rel, ("drop",)))
             except (ValueError, UnicodeError) as err:
@@ -603,7 +815,7 @@ class Engine:
                 out.append((rel, ("retry", err)))
         return out
 
-    def _probe_one(self, rel: str, quiet: float) -> tuple:
+    def _probe_one(self, rel: str, ino: int, quiet: float) -> tuple:
         if rel in self._untierable:
             return ("drop",)
         e = self.entries.get(rel)
@@ -611,24 +823,39 @@ class Engine:
             return ("drop",)
         rel.encode()  # a name SQLite cannot store (not UTF-8) fails here, on its own, not in a batch commit
         st = os.lstat(self.hot / rel)
-        ino = st.st_ino
+        if st.st_ino != ino:
+            return ("wait",)  # not the inode the truncate barrier protects: look again with the right one
         lw = self.last_write.get(ino)
-        if lw is not None:
-            if self.last_fsync.get(ino, 0.0) < lw or time.monotonic() - lw < quiet:
-                return ("wait",)  # not flushed since the last write, or not quiet yet: keep it as a candidate
-        elif time.time() - st.st_mtime < quiet:
+        if time.time() - st.st_mtime < quiet or (lw is not None and time.monotonic() - lw < quiet):
             return ("wait",)
         seq = self.write_seq.get(ino, 0)
+        mark = (seq, st.st_mtime_ns)
+        flushed = lw is None or self.last_fsync.get(ino, 0.0) >= lw
+        if not flushed and self._flushed.get(ino) != mark:
+            return ("flush", ino, mark)  # pages of it may still be dirty in the kernel: flush, then judge
         kind = classify(rel)
-        ok, why = self._check_content(rel, kind, st.st_size)
+        ok, why = self._check_content(rel, ino, kind, st.st_size)
+        if not ok and not why.startswith("corrupt") and self._flushed.get(ino) != mark:
+            return ("flush", ino, mark)  # incomplete here; maybe complete in the kernel's dirty pages
         return ("checked", st, seq, kind, ok, why)
 
-    def _check_content(self, rel: str, kind: Kind, size: int) -> tuple[bool, str]:
+    def _check_content(self, rel: str, ino: int, kind: Kind, size: int) -> tuple[bool, str]:
+        """Map the file and apply the seal rule. Truncates of this inode wait for the probe (truncate_barrier),
+        so the mapping cannot lose pages under us."""
         if size == 0:
             return False, "empty"
-        with open(self.hot / rel, "rb") as f:
-            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        fd = os.open(self.hot / rel, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != ino:
+                return False, "replaced while being checked"
+            size = min(size, st.st_size)
+            if size == 0:
+                return False, "empty"
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
                 return is_sealed(kind, m, size, self.seal_params)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ upload
 
@@ -676,12 +903,16 @@ class Engine:
 
     async def _keep_local(self, rel: str) -> None:
         self._untierable.add(rel)
-        e = self.entries.pop(rel, None)
+        e = self.entries.get(rel)
         if e is not None:
             try:
                 await self._db(self.catalog.remove, rel, [], time.time())
             except sqlite3.Error as err:
                 log.warning("could not drop the catalog row of %s (%s)", rel, err)
+                return
+            if self.entries.get(rel) is e:
+                del self.entries[rel]
+                self._drop(e)
 
     def _next_uploads(self) -> list[str]:
         """Oldest first (lowest mtime): the next segment waiting for upload and, while the oldest ones are small
@@ -714,14 +945,6 @@ class Engine:
             self._upload_queue.push(rel, mtime_ns)
         return out
 
-    def upload_backlog(self, kind: str | None = None) -> tuple[int, int, float]:
-        """(files, bytes, seconds since the oldest was sealed) waiting for or in upload; of one kind if given."""
-        waiting = [e for e in self.entries.values() if e.state in (State.SEALED, State.UPLOADING)
-                   and (kind is None or e.kind == kind)]
-        if not waiting:
-            return 0, 0, 0.0
-        return len(waiting), sum(e.size for e in waiting), time.time() - min(e.state_since for e in waiting)
-
     async def _upload(self, rels: list[str]) -> list[tuple[str, Exception]]:
         """Upload one segment, or a batch of small ones with their requests overlapping, then commit every one
         still unchanged as TIERED in one transaction: durable before any local byte may be dropped. Returns the
@@ -733,17 +956,18 @@ class Engine:
         batch: list[tuple[Entry, int, int]] = []  # entry, ino, write seq when sealed
         for rel in rels:
             e = self.entries[rel]
-            ino = self._ino_of[rel]
-            batch.append((e, ino, self._sealed_at_seq.get(rel, self.write_seq.get(ino, 0))))
+            batch.append((e, e.ino, self._sealed_at_seq.get(e.file_id, self.write_seq.get(e.ino, 0))))
             if e.state is State.SEALED:
                 e.state = State.UPLOADING
-        results: list[tuple[int, list[int], list[str]] | None] = [None] * len(batch)
+        results: list[tuple[int, list[int], list[str]] | ShortRead | None] = [None] * len(batch)
         failed: list[tuple[str, Exception]] = []
 
         async def put(i: int, e: Entry) -> None:
             try:  # one big segment: its own thread, as ever; small ones: bounded, so readers keep store slots
                 results[i] = await trio.to_thread.run_sync(
                     self._upload_blocking, e, limiter=self._small_limiter if len(batch) > 1 else None)
+            except ShortRead as err:
+                results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
             except (ObjectStoreError, OSError, ValueError) as err:
                 failed.append((e.path, err))
 
@@ -752,45 +976,45 @@ class Engine:
                 nursery.start_soon(put, i, e)
         failpoints.hit("tier.after_put")
         now = time.time()
-        done: list[tuple[Entry, int, int]] = []
+        done: list[tuple[tuple[Entry, int, int], tuple]] = []
         voided: list[Entry] = []
         void_keys: list[str] = []
         for (e, ino, seq), res in zip(batch, results):
             if res is None:
                 continue
-            crc, block_crcs, keys = res
-            if self.write_seq.get(ino, 0) != seq or self.entries.get(e.path) is not e or e.state is not State.UPLOADING:
-                log.info("%s changed during upload; discarding gen %d objects", e.path, e.generation)
+            shrank = isinstance(res, ShortRead)
+            crc, block_crcs, keys = (0, [], res.keys) if isinstance(res, ShortRead) else res
+            if (shrank or self.write_seq.get(ino, 0) != seq or self.entries.get(e.path) is not e
+                    or e.state is not State.UPLOADING):
+                log.info("%s changed during upload%s; discarding gen %d objects", e.path,
+                         f" ({res})" if shrank else "", e.generation)
                 void_keys += keys
-                if self.entries.get(e.path) is e:
-                    e.state = State.HOT
-                    e.generation += 1
+                if self.entries.get(e.path) is e and self.is_live(e):
                     voided.append(e)
                 continue
-            e.crc32c, e.block_crcs, e.objects = crc, block_crcs, keys
-            e.resident = bytearray(b"\xff" * ((e.nblocks + 7) // 8))
-            e.state = State.TIERED
-            e.last_access = now
-            e.state_since = now
-            done.append((e, ino, seq))
+            done.append(((e, ino, seq), (crc, block_crcs, keys, now)))
         if not done and not void_keys:
             return failed
-        try:  # durable: from here the objects are authoritative
-            await self._db(self.catalog.put_many, [e for e, _, _ in done] + voided, void_keys, now)
-        except BaseException:
-            for e, _, _ in done:
-                e.state = State.UPLOADING  # not durable, so not tiered: the hot file stays authoritative
-            raise
+        gen0 = await self._db(self.catalog.allocate, len(voided)) if voided else 0
+        # rows to commit are copies, made with no await before the commit is queued (so they carry the current
+        # paths; a rename queues its own transaction after ours): memory changes only once it is durable
+        rows = [self._tiered_copy(e, res) for (e, _, _), res in done]
+        void_rows = [self._hot_copy(e, gen0 + i) for i, e in enumerate(voided)]
+        await self._db(self.catalog.put_many, rows + void_rows, void_keys, now)
         failpoints.hit("tier.after_commit")
+        for e, row in zip(voided, void_rows):
+            if self.is_live(e):
+                self._become(e, row)
         late: list[Entry] = []
-        for e, ino, seq in done:
-            if self.entries.get(e.path) is not e:
+        for ((e, ino, seq), _), row in zip(done, rows):
+            if self.entries.get(e.path) is not e or not self.is_live(e):
                 continue  # unlinked while the commit ran: its row and objects are gone already
+            self._become(e, row)
             if self.write_seq.get(ino, 0) != seq:
                 late.append(e)  # written while the commit ran: the objects hold the old content
                 continue
             self.tiered[ino] = e
-            self._sealed_at_seq.pop(e.path, None)  # a later seal (after a rewrite) records its own
+            self._sealed_at_seq.pop(e.file_id, None)  # a later seal (after a rewrite) records its own
             self.cache_bytes += e.resident_bytes()
             self.stats.uploads += 1
             self.stats.upload_bytes += e.size
@@ -800,22 +1024,44 @@ class Engine:
         self.store_down_since = None
         if len(batch) > 1 and done:
             log.info("tiered %d small segments (%d bytes), %s .. %s, in %.2f s", len(done),
-                     sum(e.size for e, _, _ in done), done[0][0].path, done[-1][0].path, time.monotonic() - t0)
+                     sum(d[0][0].size for d in done), done[0][0][0].path, done[-1][0][0].path, time.monotonic() - t0)
         if late:
             await self._void_late(late)
         return failed
 
     async def _void_late(self, late: list[Entry]) -> None:
         """Segments written while their TIERED commit ran: not in `tiered` yet, so nothing was evicted and the
-        hot file is whole. They turn HOT at gen+1 (to be sealed again) and their just-uploaded objects go."""
-        keys: list[str] = []
+        hot file is whole. They turn HOT at a new generation (to be sealed again) and their objects go."""
+        keys = [k for e in late for k in e.objects]
         for e in late:
             log.info("%s written while its upload was committed; discarding gen %d objects", e.path, e.generation)
-            keys += e.objects
-            e.state = State.HOT
-            e.generation += 1
-            e.objects, e.block_crcs, e.crc32c, e.resident = [], [], None, bytearray()
-        await self._db(self.catalog.put_many, late, keys, time.time())
+        gen0 = await self._db(self.catalog.allocate, len(late))
+        rows = [self._hot_copy(e, gen0 + i) for i, e in enumerate(late)]
+        await self._db(self.catalog.put_many, rows, keys, time.time())
+        for e, row in zip(late, rows):
+            if self.is_live(e) and self.tiered.get(e.ino) is not e:
+                self._become(e, row)
+
+    @staticmethod
+    def _tiered_copy(e: Entry, res: tuple) -> Entry:
+        crc, block_crcs, keys, now = res
+        row = dataclasses.replace(e, crc32c=crc, block_crcs=block_crcs, objects=keys, state=State.TIERED,
+                                  last_access=now, state_since=now, pins=0)
+        row.resident = bytearray(b"\xff" * ((row.nblocks + 7) // 8))
+        return row
+
+    def _hot_copy(self, e: Entry, generation: int) -> Entry:
+        """The row of a file that is HOT again, at a new generation (its old objects are being deleted)."""
+        return dataclasses.replace(e, state=State.HOT, generation=generation, objects=[], block_crcs=[], crc32c=None,
+                                   resident=bytearray(), format="raw", chunk_bytes=self.chunk, state_since=time.time(),
+                                   pins=0)
+
+    @staticmethod
+    def _become(e: Entry, row: Entry) -> None:
+        """Apply a committed row to the live entry (same identity object: indexes need no update)."""
+        for f in dataclasses.fields(row):
+            if f.name not in ("path", "pins"):  # the path belongs to renames, pins to readers
+                setattr(e, f.name, getattr(row, f.name))
 
     def _upload_blocking(self, e: Entry) -> tuple[int, list[int], list[str]]:
         """Read the hot file chunk by chunk, PUT each chunk, verify, and return (crc, block crcs, keys)."""
@@ -823,13 +1069,18 @@ class Engine:
         crc = 0
         block_crcs: list[int] = []
         verify_full = self.config["upload.verify"] == "full"
-        fd = os.open(self.hot / e.path, os.O_RDONLY)
+        fd = os.open(self.hot / e.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
+            if e.ino and os.fstat(fd).st_ino != e.ino:
+                raise ShortRead(keys, f"{e.path} was replaced since it was sealed")
+            # TIERED says every block is resident: the bytes must be durable before that commit
+            os.fdatasync(fd)
             for i, key in enumerate(keys):
                 off = i * e.chunk_bytes
                 data = os.pread(fd, min(e.chunk_bytes, e.size - off), off)
                 if len(data) != min(e.chunk_bytes, e.size - off):
-                    raise OSError(errno.EIO, f"short read of {e.path} at {off}")
+                    raise ShortRead(keys, f"short read of {e.path} at {off}: it shrank since it was sealed")
+                self._fence(key)
                 chunk_crc = crc32c.crc32c(data)
                 crc = crc32c.crc32c(data, crc)
                 mv = memoryview(data)
@@ -852,14 +1103,27 @@ class Engine:
 
     # ------------------------------------------------------------------ reads of tiered segments
 
+    def _fence(self, key: str) -> None:
+        """Every object write or delete of a writable mount checks the lease first: a daemon whose lease lapsed
+        (a throttled upload can outlive the ttl) must not write over a new writer's store."""
+        if not self.store_writable():
+            raise ObjectStoreError(key, f"refused: the writer lease (epoch {self.lease.epoch if self.lease else 0}) "
+                                        f"is not held (fenced)")
+
     def _fd(self, e: Entry) -> int:
-        fd = self._fds.get(e.path)
+        """The engine's O_RDWR fd of a tiered file, by file id: opened while the file has its name, kept across
+        renames and after an unlink while open, so a punch or an install always hits this file's inode."""
+        fd = self._fds.get(e.file_id)
         if fd is None:
-            fd = self._fds[e.path] = os.open(self.hot / e.path, os.O_RDWR)
+            fd = os.open(self.hot / e.path, os.O_RDWR | os.O_NOFOLLOW)
+            if os.fstat(fd).st_ino != e.ino:
+                os.close(fd)
+                raise ReadFailed(f"{e.path}: the hot file was replaced behind the daemon's back")
+            self._fds[e.file_id] = fd
         return fd
 
-    def _forget_fd(self, rel: str) -> None:
-        fd = self._fds.pop(rel, None)
+    def _forget_fd(self, file_id: int) -> None:
+        fd = self._fds.pop(file_id, None)
         if fd is not None:
             os.close(fd)
 
@@ -892,6 +1156,8 @@ class Engine:
         waited = False
         deadline = trio.current_time() + float(self.config["objectstore.read_timeout_seconds"])
         for _ in range(8):
+            if self.tiered.get(ino) is not e:
+                return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
             missing = self._needs_fetch(e, off, end)
             if not missing:
                 for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1):
@@ -907,8 +1173,6 @@ class Engine:
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
             await self._ensure(e, missing, deadline)
-            if e.state is not State.TIERED:
-                return os.pread(self._fd(e), end - off, off)  # rewritten meanwhile: now fully local
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
 
     def _runs(self, e: Entry, blocks: list[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -925,43 +1189,42 @@ class Engine:
         return runs
 
     async def _ensure(self, e: Entry, blocks: list[int], deadline: float) -> None:
-        """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline."""
-        events = []
+        """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
+        error a reader gets is the one of the fetch it waited for."""
+        fetches: dict[int, Fetch] = {}
         todo = []
         for b in blocks:
-            ev = self._inflight.get((e.path, e.generation, b))
-            if ev is not None:
-                events.append((b, ev))
+            f = self._inflight.get((e.file_id, e.generation, b))
+            if f is not None:
+                fetches[id(f)] = f
             else:
                 todo.append(b)
         for first, n in self._runs(e, todo, 8):
-            events += self._start_fetch(e, first, n, prefetch=False)
-        if any(ev in self._gave_up for _, ev in events):
+            f = self._start_fetch(e, first, n, prefetch=False)
+            fetches[id(f)] = f
+        if any(f.gave_up for f in fetches.values()):
             # a read of these blocks already waited the whole bound and the fetch is still stuck: the kernel's
             # retry of a failed read-ahead lands here, and must not double the bound the caller sees
             raise ReadFailed(f"{e.path}: object store did not answer within "
                              f"{self.config['objectstore.read_timeout_seconds']} s (fetch still in flight)")
         with trio.move_on_at(deadline) as scope:
-            for _, ev in events:
-                await ev.wait()
+            for f in fetches.values():
+                await f.done.wait()
         if scope.cancelled_caught:
-            self._gave_up.update(ev for _, ev in events if not ev.is_set())
+            for f in fetches.values():
+                f.gave_up = not f.done.is_set()
             raise ReadFailed(f"{e.path}: object store did not answer within "
                              f"{self.config['objectstore.read_timeout_seconds']} s")
-        for b, _ in events:
-            err = self._fetch_errors.pop((e.path, e.generation, b), None)
-            if err:
-                raise ReadFailed(err)
+        for f in fetches.values():
+            if f.error:
+                raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool) -> list[tuple[int, trio.Event]]:
-        ev = trio.Event()
-        out = []
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool) -> Fetch:
+        f = Fetch()
         for b in range(first, first + n):
-            self._inflight[(e.path, e.generation, b)] = ev
-            out.append((b, ev))
-        assert self._nursery is not None
-        self._nursery.start_soon(self._fetch, e, first, n, ev, prefetch)
-        return out
+            self._inflight[(e.file_id, e.generation, b)] = f
+        self._nursery_start(self._fetch, e, first, n, f, prefetch)
+        return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
         budget = int(self.config["readahead.budget_bytes"])
@@ -970,7 +1233,7 @@ class Engine:
         group = max(1, PREFETCH_GROUP_BYTES // e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
         want = [b for b in range(start, hi)
-                if not e.is_resident(b) and (e.path, e.generation, b) not in self._inflight]
+                if not e.is_resident(b) and (e.file_id, e.generation, b) not in self._inflight]
         for first, n in self._runs(e, want, group):
             nbytes = n * e.block_bytes
             if self.prefetch_inflight + nbytes > budget:
@@ -1004,11 +1267,12 @@ class Engine:
             self._footers[key] = footer
         return footer
 
-    async def _fetch(self, e: Entry, first: int, n: int, done: trio.Event, prefetch: bool) -> None:
+    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool) -> None:
         gen = e.generation
         key = self._object_of(e, first)
         error = None
         t0 = time.monotonic()
+        e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
         try:
             for attempt in (1, 2):
                 try:
@@ -1043,6 +1307,7 @@ class Engine:
             error = f"object {key} of {e.path}: {type(err).__name__}: {err}"
             log.exception("fetch failed")
         finally:
+            e.pins -= 1
             if prefetch:
                 self.prefetch_inflight -= n * e.block_bytes
             if error:
@@ -1050,13 +1315,11 @@ class Engine:
                 self.stats.last_error = error
                 log.error("read of %s failed: %s", e.path, error)
             for b in range(first, first + n):
-                k = (e.path, gen, b)
-                if self._inflight.get(k) is done:
+                k = (e.file_id, gen, b)
+                if self._inflight.get(k) is fetch:
                     del self._inflight[k]
-                if error and not prefetch:
-                    self._fetch_errors[k] = error
-            done.set()
-            self._gave_up.discard(done)
+            fetch.error = None if prefetch else error
+            fetch.done.set()
 
     def _verify_blocks(self, e: Entry, first: int, n: int, data: bytes) -> int | None:
         mv = memoryview(data)
@@ -1070,7 +1333,7 @@ class Engine:
 
     def _install_blocks(self, e: Entry, gen: int, first: int, n: int, data: bytes) -> None:
         """Write fetched blocks into the holes, unless the file changed meanwhile. No await in here."""
-        if e.state is not State.TIERED or e.generation != gen or self.entries.get(e.path) is not e:
+        if e.state is not State.TIERED or e.generation != gen or not self.is_live(e) or self.tiered.get(e.ino) is not e:
             return
         fd = self._fd(e)
         pos = 0
@@ -1082,55 +1345,74 @@ class Engine:
                 e.set_resident(b, True)
                 self.cache_bytes += ln
             pos += ln
-        self._dirty_residency.add(e.path)
+        self._dirty_residency.add(e.file_id)
 
     # ------------------------------------------------------------------ writes into tiered segments
 
     async def before_write(self, e: Entry, ino: int, off: int, data: bytes) -> bool:
         """Called before a write lands in a tiered segment. Returns False for an identical rewrite (a no-op:
-        index header at shutdown, BLANK after a crash); otherwise re-materialises the file as HOT, gen+1."""
+        index header at shutdown, BLANK after a crash); otherwise re-materialises the file as HOT."""
         end = min(off + len(data), e.size)
         deadline = trio.current_time() + float(self.config["objectstore.read_timeout_seconds"])
-        if off < end and await self._make_resident(e, off, end, deadline):
-            if e.state is State.TIERED and off + len(data) <= e.size:
-                if os.pread(self._fd(e), len(data), off) == bytes(data):
-                    self.stats.identical_rewrites += 1
-                    return False
-        if e.state is not State.TIERED:
+        e.pins += 1
+        try:
+            if off < end and await self._make_resident(e, off, end, deadline):
+                if self.tiered.get(ino) is e and off + len(data) <= e.size:
+                    if os.pread(self._fd(e), len(data), off) == bytes(data):
+                        self.stats.identical_rewrites += 1
+                        return False
+            if self.tiered.get(ino) is not e:
+                return True
+            await self._rematerialise(e, ino, e.size, f"write at {off}+{len(data)}", deadline)
             return True
-        await self._rematerialise(e, ino, e.size, f"write at {off}+{len(data)}", deadline)
-        return True
+        finally:
+            e.pins -= 1
 
     async def before_truncate(self, e: Entry, ino: int, new_size: int) -> None:
-        """Called before a tiered segment is truncated (setattr, or an open with O_TRUNC): the file becomes HOT,
-        gen+1, with only the bytes the truncate keeps fetched first. Without this the hot file would shrink and
-        regrow under a TIERED row, and the old generation's blocks would be fetched into the new content."""
-        if e.state is not State.TIERED or new_size == e.size:
+        """Called before a tiered segment is truncated (setattr, or an open with O_TRUNC): the file becomes HOT
+        with only the bytes the truncate keeps fetched first. Without this the hot file would shrink and regrow
+        under a TIERED row, and the old generation's blocks would be fetched into the new content."""
+        if self.tiered.get(ino) is not e or new_size == e.size:
             return
         deadline = trio.current_time() + float(self.config["objectstore.read_timeout_seconds"])
-        await self._rematerialise(e, ino, min(new_size, e.size), f"truncate to {new_size}", deadline)
+        e.pins += 1
+        try:
+            await self._rematerialise(e, ino, min(new_size, e.size), f"truncate to {new_size}", deadline)
+        finally:
+            e.pins -= 1
 
     async def _rematerialise(self, e: Entry, ino: int, keep: int, why: str, deadline: float) -> None:
-        """Make [0, keep) resident, then turn the tiered row HOT at gen+1 and queue the old objects' deletion."""
-        log.info("%s of tiered %s: re-materialising (gen %d -> %d)", why, e.path, e.generation, e.generation + 1)
+        """Make [0, keep) resident and durable, then turn the tiered row HOT at a new generation and queue the
+        old objects' deletion, in one transaction. The caller pins `e`: the evictor cannot punch what was just
+        fetched while this waits for the disk or the catalog."""
+        log.info("%s of tiered %s: re-materialising (gen %d -> new)", why, e.path, e.generation)
         if keep and not await self._make_resident(e, 0, keep, deadline + 600):
             raise ReadFailed(f"{e.path}: could not re-materialise for a {why}")
+        if self.tiered.get(ino) is not e:
+            return  # another writer re-materialised it meanwhile
         fd = self._fd(e)
         await trio.to_thread.run_sync(os.fdatasync, fd)
         failpoints.hit("tier.rewrite")
-        if e.state is not State.TIERED:
+        if self.orphans.get(ino) is e:  # unlinked while open: no row to rewrite, the objects may simply go
+            del self.orphans[ino]
+            self._drop(e)
+            await self._db(self.catalog.schedule_deletes, e.objects,
+                           time.time() + float(self.config["delete.grace_seconds"]))
             return
+        gen = await self._db(self.catalog.allocate, 1)
+        if self.tiered.get(ino) is not e:
+            return
+        row = self._hot_copy(e, gen)
         old_keys = e.objects
-        self.tiered.pop(ino, None)
-        self.cache_bytes -= e.resident_bytes()
-        e.state = State.HOT
-        e.generation += 1
-        e.objects, e.block_crcs, e.crc32c, e.resident = [], [], None, bytearray()
-        e.format, e.chunk_bytes = "raw", self.chunk
-        await self._db(self.catalog.put, e)
         not_before = time.time() + float(self.config["delete.grace_seconds"])
-        await self._db(self.catalog.queue_deletes, old_keys, not_before)
-        await self._db(self.catalog.drop_artifacts, e.path, ("cidx",), not_before)
+        await self._db(self.catalog.replace, row, old_keys, not_before, ("cidx",))
+        failpoints.hit("tier.rewritten")
+        # committed: from here the hot file is the only copy, so the entry leaves `tiered` whatever else changed
+        if self.tiered.get(ino) is e:
+            del self.tiered[ino]
+            self.cache_bytes -= e.resident_bytes()
+        self._become(e, row)
+        self._dirty_residency.discard(e.file_id)
         for k in old_keys:
             self._footers.pop(k, None)
         self.stats.rewrites += 1
@@ -1139,13 +1421,13 @@ class Engine:
         """Fetch until [off, end) is resident; evictions can race a fetch, so retry a few times. True once
         nothing is missing, or once a concurrent rewrite made the file HOT (then it is all local anyway)."""
         for _ in range(8):
-            if e.state is not State.TIERED:
+            if self.tiered.get(e.ino) is not e:
                 return True
             missing = self._needs_fetch(e, off, end)
             if not missing:
                 return True
             await self._ensure(e, missing, deadline)
-        return e.state is not State.TIERED or not self._needs_fetch(e, off, end)
+        return self.tiered.get(e.ino) is not e or not self._needs_fetch(e, off, end)
 
     # ------------------------------------------------------------------ eviction
 
@@ -1157,6 +1439,10 @@ class Engine:
                 await self._persist_residency()
             except (OSError, sqlite3.Error) as err:
                 log.warning("eviction pass failed: %s", err)
+
+    def _evictable(self, e: Entry) -> bool:
+        return (e.pins == 0 and e.state is State.TIERED and self.is_live(e) and self.tiered.get(e.ino) is e
+                and e.ino not in self.orphans)
 
     async def _evict_once(self) -> None:
         cap = int(self.config["cache.max_bytes"])
@@ -1173,33 +1459,42 @@ class Engine:
             expect = self.cache_bytes
             while victims and expect > target and len(picked) < _EVICT_BATCH:
                 e = heapq.heappop(victims)[2]
-                if e.state is not State.TIERED or self.entries.get(e.path) is not e:
-                    continue  # rewritten or unlinked while an earlier batch committed
+                if not self._evictable(e):
+                    continue  # rewritten, unlinked or pinned while an earlier batch committed
                 blocks = [b for b in range(e.nblocks) if e.is_resident(b)]
                 if not blocks:
                     continue
-                for b in blocks:
-                    e.set_resident(b, False)
                 expect -= sum(e.block_len(b) for b in blocks)
                 picked.append((e, e.generation, blocks))
             if not picked:
                 break
-            # durable before the punches: a crash now can only cost a re-fetch
-            await self._db(self.catalog.save_residency, [e for e, _, _ in picked])
+            # the bitmaps without these blocks, durable before any punch: a crash now can only cost a re-fetch.
+            # Memory drops the bits first (a reader meanwhile re-fetches; a block fetched again is not punched).
+            for e, _, blocks in picked:
+                for b in blocks:
+                    if e.is_resident(b):
+                        e.set_resident(b, False)
+                        self.cache_bytes -= e.block_len(b)
+            rows = [dataclasses.replace(e, resident=bytearray(e.resident), pins=0) for e, _, _ in picked]
+            await self._db(self.catalog.save_residency, rows)
             failpoints.hit("tier.evict")
             for e, gen, blocks in picked:
-                if e.state is State.TIERED and e.generation == gen:
-                    self._punch(e, blocks)
+                if e.generation == gen and self.is_live(e) and self.tiered.get(e.ino) is e:
+                    try:
+                        self._punch(e, blocks)
+                    except OSError as err:  # one file's failure must not leave the others half-done
+                        log.warning("evicting %s failed (%s); its blocks are fetched again when read", e.path, err)
 
     def _punch(self, e: Entry, blocks: list[int]) -> None:
-        """Punch the given non-resident blocks out of the hot file, keeping pinned pages. No await in here."""
+        """Punch the given non-resident blocks out of the hot file through the file's own fd, keeping pinned
+        pages. A block fetched again (or being fetched) meanwhile is left alone. No await in here."""
         fd = self._fd(e)
         pins = self._pinned(e) if not self.read_only else []
         freed = 0
         for first, n in self._runs(e, blocks, 1 << 30):
             for b in range(first, first + n):
-                if e.is_resident(b) or (e.path, e.generation, b) in self._inflight:
-                    continue  # fetched again (or being fetched) while we waited for the catalog
+                if e.is_resident(b) or (e.file_id, e.generation, b) in self._inflight:
+                    continue
                 lo, hi = b * e.block_bytes, b * e.block_bytes + e.block_len(b)
                 cuts = [(lo, hi)]
                 for p0, p1 in pins:
@@ -1210,17 +1505,36 @@ class Engine:
                 self.stats.evicted_blocks += 1
                 for s in self.streams.values():
                     s.expired_unread(b)
-        self.cache_bytes -= freed
         self.stats.evicted_bytes += freed
 
+    def residency_changed(self, e: Entry) -> None:
+        """Someone rewrote e's row without its live bits: persist them again (after an fdatasync)."""
+        self._dirty_residency.add(e.file_id)
+
     async def _persist_residency(self) -> None:
+        """Copy the bitmaps, make the hot files' data durable, then persist the copies: a bit can only reach the
+        catalog after the bytes it stands for are on disk."""
         if not self._dirty_residency:
             return
-        dirty = [self.entries[p] for p in self._dirty_residency if p in self.entries]
+        dirty = [self.files[i] for i in self._dirty_residency if i in self.files]
         self._dirty_residency.clear()
-        fds = [self._fds[e.path] for e in dirty if e.path in self._fds]
-        await trio.to_thread.run_sync(lambda: [os.fdatasync(fd) for fd in fds])
-        await self._db(self.catalog.save_residency, dirty)
+        dirty = [e for e in dirty if self.tiered.get(e.ino) is e and e.file_id in self._fds]
+        before = [bytes(e.resident) for e in dirty]
+        fds = [self._fds[e.file_id] for e in dirty]
+        try:
+            await trio.to_thread.run_sync(lambda: [os.fdatasync(fd) for fd in fds])
+            # a bit goes to the catalog only if it was set before the fdatasync (its bytes are durable) and is
+            # still set now (not given up by an eviction meanwhile); no await between this and queueing the save
+            rows = []
+            for e, old in zip(dirty, before):
+                bits = bytearray(a & b for a, b in zip(old, e.resident))
+                rows.append(dataclasses.replace(e, resident=bits, pins=0))
+                if bits != e.resident:
+                    self._dirty_residency.add(e.file_id)  # set since: persisted by a later pass
+            await self._db(self.catalog.save_residency, rows)
+        except BaseException:
+            self._dirty_residency.update(e.file_id for e in dirty)
+            raise
 
     # ------------------------------------------------------------------ deferred deletes
 
@@ -1231,8 +1545,11 @@ class Engine:
                 continue
             try:
                 keys = await self._db(self.catalog.due_deletes, time.time())
+                if self.snapshotter is not None:
+                    keys = self.snapshotter.unreferenced(keys)  # a read-only mount may still read these
                 if not keys:
                     continue
+                self._fence(keys[0])
                 await self._io(self.store.delete_many, keys)
                 await self._db(self.catalog.deleted, keys)
                 log.info("deleted %d objects", len(keys))

@@ -238,6 +238,8 @@ class Snapshotter:
         self._unref_since: dict[str, float] = {}
         self._files: dict[str, _Cached] = {}
         self._blob_sets: dict[int, set[str]] = {}
+        self._key_sets: dict[int, set[str]] = {}  # segment objects each kept snapshot names
+        self._refs_known = False  # _key_sets covers every kept snapshot (after the first prune pass)
         self._last_digest: bytes | None = None
         self._zero: dict[int, tuple[str, bytes]] = {}
         self._mutex = threading.Lock()  # _known, counters and _zero, shared by the uploading threads
@@ -339,6 +341,7 @@ class Snapshotter:
             self._seq = seq
             self._last_digest = digest
             self._blob_sets[seq] = used
+            self._key_sets[seq] = {k for r in rows.values() for k in json.loads(r[_OBJECTS])}
             self.taken += 1
             self.last = {"seq": seq, "time": started, "key": ptr.key, "reason": reason, "files": len(rows),
                          "bytes": size, "blobs_uploaded": counters[0], "blob_bytes_uploaded": counters[1],
@@ -520,11 +523,17 @@ class Snapshotter:
         for s in list(self._blob_sets):
             if s not in keep:
                 del self._blob_sets[s]
+        for s in list(self._key_sets):
+            if s not in keep:
+                del self._key_sets[s]
         referenced: set[str] = set()
         for s in keep:
-            if s not in self._blob_sets:
-                self._blob_sets[s] = self._blobs_of(s)
+            if s not in self._blob_sets or s not in self._key_sets:
+                self._key_sets[s] = self._keys_of(s)
+                pre = blob_prefix(self.sid)
+                self._blob_sets[s] = {k[len(pre):] for k in self._key_sets[s] if k.startswith(pre)}
             referenced |= self._blob_sets[s]
+        self._refs_known = True
         if self._known is None:
             return
         now = time.time()
@@ -539,16 +548,23 @@ class Snapshotter:
                 self._unref_since.pop(s, None)
             log.info("deleted %d snapshot blobs no kept snapshot uses", len(due))
 
-    def _blobs_of(self, seq: int) -> set[str]:
-        """The blobs an earlier snapshot (one this process did not take) uses: read its .db."""
+    def unreferenced(self, keys: list[str]) -> list[str]:
+        """The keys no kept snapshot names: a read-only mount serving one of those snapshots may fetch any
+        object it names, so the writer deletes an object only once every snapshot naming it is pruned. Until
+        this process has read the kept snapshots once, nothing is deleted."""
+        if not self._refs_known:
+            return []
+        named: set[str] = set().union(*self._key_sets.values()) if self._key_sets else set()
+        return [k for k in keys if k not in named]
+
+    def _keys_of(self, seq: int) -> set[str]:
+        """Every object a kept snapshot names (segment objects and blobs): read its .db."""
         tmp = self.eng.state_dir / "snapshot.gc.db"
         tmp.write_bytes(self.store.get(snapshot_key(self.sid, seq)))
         try:
             db = sqlite3.connect(str(tmp))
             try:
-                pre = blob_prefix(self.sid)
-                return {k[len(pre):] for (objs,) in db.execute("SELECT objects FROM snapshot_files")
-                        for k in json.loads(objs) if k.startswith(pre)}
+                return {k for (objs,) in db.execute("SELECT objects FROM snapshot_files") for k in json.loads(objs)}
             finally:
                 db.close()
         finally:
@@ -604,7 +620,10 @@ def _load(db_path: Path, store_id: str, reserved: str) -> tuple[list[tuple[Entry
     db = sqlite3.connect(f"file:{urllib.parse.quote(str(db_path))}?mode=ro", uri=True)
     try:
         try:
-            frows = db.execute(f"SELECT {','.join(COLUMNS + _EXTRA_COLS)} FROM snapshot_files").fetchall()
+            have = {r[1] for r in db.execute("PRAGMA table_info(snapshot_files)")}
+            # snapshots written before file ids existed lack the identity columns: 0 (unassigned) for those
+            cols = [c if c in have or c not in ("file_id", "ino") else "0" for c in COLUMNS + _EXTRA_COLS]
+            frows = db.execute(f"SELECT {','.join(cols)} FROM snapshot_files").fetchall()
             trows = db.execute("SELECT path, type, mode, uid, gid, mtime_ns, target FROM snapshot_tree").fetchall()
         except sqlite3.Error as e:
             raise SnapshotError(f"snapshot {db_path.name} has no readable snapshot tables ({e})") from None
