@@ -39,6 +39,7 @@ _EXPECTED_ERRNOS = frozenset((errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno
 _MODIFYING = frozenset(("setattr", "mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "create",
                         "write", "setxattr", "removexattr", "fallocate"))
 
+DAEMON_UMASK = 0o077  # the daemon's own files (state, log, jobs, posix object store) are private to its user
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
 
@@ -204,6 +205,17 @@ class TierOperations(pyfuse3.Operations):
             os.lchown(path, ctx.uid, ctx.gid)
 
     @staticmethod
+    def _exact_mode(target: str | int, want: int, is_dir: bool = False) -> None:
+        """Give a new file exactly `want` (the caller's mode minus the caller's umask): the daemon's own umask
+        (DAEMON_UMASK, for its private files) must not apply to the broker's. A no-op when it took nothing away;
+        a setgid bit the new directory inherited from its parent stays."""
+        if not want & DAEMON_UMASK:
+            return
+        if is_dir:
+            want |= os.stat(target).st_mode & stat.S_ISGID
+        os.chmod(target, want)
+
+    @staticmethod
     def _backing_flags(flags: int) -> int:
         """Flags for the backing fd. O_DIRECT is stripped (the page cache is the kernel's job here); with the
         writeback cache the kernel may read to fill partial pages and implements O_APPEND itself."""
@@ -344,6 +356,7 @@ class TierOperations(pyfuse3.Operations):
         full = self._full(rel)
         os.mknod(full, mode & ~ctx.umask, rdev)
         self._chown_new(full, ctx)
+        self._exact_mode(full, mode & ~ctx.umask & 0o7777)
         return self._entry(rel)
 
     @_handler("mkdir")
@@ -352,6 +365,7 @@ class TierOperations(pyfuse3.Operations):
         full = self._full(rel)
         os.mkdir(full, mode & ~ctx.umask & 0o7777)
         self._chown_new(full, ctx)
+        self._exact_mode(full, mode & ~ctx.umask & 0o7777, is_dir=True)
         return self._entry(rel)
 
     @_handler("symlink")
@@ -466,6 +480,7 @@ class TierOperations(pyfuse3.Operations):
         try:
             fd = os.open(full, bflags | os.O_CREAT | os.O_EXCL, mode & ~ctx.umask & 0o7777)
             self._chown_new(full, ctx, fd)
+            self._exact_mode(fd, mode & ~ctx.umask & 0o7777)
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise

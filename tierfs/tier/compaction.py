@@ -77,9 +77,10 @@ def request_job(state_dir: Path, stages: list[str], spark: dict[str, str], min_a
     """What `tierfs compact` does: queue a request the daemon picks up within a second; returns the job id."""
     job_id = new_job_id()
     d = requests_dir(state_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    for part in (d.parent, d):  # private like the rest of the state dir, whatever the caller's umask
+        part.mkdir(mode=0o700, exist_ok=True)
     write_json_atomic(d / f"{job_id}.json", {"job_id": job_id, "stages": stages, "spark": spark,
-                                              "min_age_seconds": min_age_seconds})
+                                              "min_age_seconds": min_age_seconds}, mode=0o600)
     return job_id
 
 
@@ -250,7 +251,7 @@ class Compactor:
     def _command(self, d: Path) -> list[str]:
         submit = self.config["compaction.spark_submit"]
         if not submit:
-            return [sys.executable, "-m", "tierfs.spark", "--job-dir", str(d)]
+            return [sys.executable, "-P", "-m", "tierfs.spark", "--job-dir", str(d)]  # -P: no cwd on sys.path
         main = Path(__file__).resolve().parent.parent / "spark" / "__main__.py"
         return [submit, "--master", self.config["spark.master"], str(main), "--job-dir", str(d)]
 
@@ -264,7 +265,7 @@ class Compactor:
             env["TIERFS_FAILPOINTS"] = os.environ["TIERFS_JOB_FAILPOINTS"]
         with open(d / "job.log", "ab") as logf:
             proc = await trio.lowlevel.open_process(self._command(d), stdin=subprocess.DEVNULL, stdout=logf,
-                                                    stderr=logf, env=env, start_new_session=True)
+                                                    stderr=logf, env=env, start_new_session=True, cwd=d)
             try:
                 return await proc.wait()
             finally:
