@@ -1,0 +1,182 @@
+"""A newcomer's first hour (issue 11), on real mounts and real processes: quickstart twice in a row, a mount
+started from the directory holding the clone, the modes of the daemon's own files, a broker-like process running
+as its own user, and the CLI's rough edges."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mountutil import is_root, lazy_unmount, pid_alive, run, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+TIERFS = Path(sys.executable).parent / "tierfs"  # the console script a user runs
+BROKER_UID, BROKER_GID = 1234, 2345
+
+
+def _private(root: Path) -> list[str]:
+    """Every file or directory under root that group or others may read, write or enter."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames, ""]:
+            p = Path(dirpath, name) if name else Path(dirpath)
+            st = p.lstat()
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                bad.append(f"{stat.S_IMODE(st.st_mode):o} {p}")
+    return bad
+
+
+def _force_unmount(hot: Path, mnt: Path) -> None:
+    """Teardown for mounts a script made: CLI umount, else SIGKILL the daemon by its pid file and clear it."""
+    if not any(line.split()[1] == str(mnt) for line in open("/proc/self/mounts")):
+        return
+    r = run([TIERFS, "umount", mnt], timeout=90)
+    if r.returncode == 0:
+        return
+    try:
+        pid = int((hot / ".tierfs" / "daemon.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(pid), timeout=30, what=f"daemon {pid} to die")
+    except (OSError, ValueError):
+        pass
+    lazy_unmount(mnt)
+
+
+# ----------------------------------------------------------------------------- 1, 3, 7 (PATH, reinstall)
+
+
+@pytest.mark.skipif(not is_root(), reason="quickstart installs system packages as root")
+def test_quickstart_twice_in_a_row(tmp_path, fuse_required):
+    """The second run reuses everything and is fast (it failed with KeyError: 'segments' when the compaction job
+    had nothing left to do); neither run reinstalls the venv the test suite installed with [test] extras; the
+    daemon's files, its jobs (Spark's log4j2 configuration) and the embedded object store are private."""
+    qs, mnt, bin_dir = tmp_path / "qs", tmp_path / "store", tmp_path / "bin"
+    bin_dir.mkdir()
+    env = {**os.environ, "TIERFS_QUICKSTART_DIR": str(qs), "TIERFS_LINK_DIR": str(bin_dir)}
+    env.pop("TIERFS_FAILPOINTS", None)
+    try:
+        first = run([REPO / "mount-scripts" / "quickstart", mnt], timeout=240, env=env)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        assert "segments compacted" in first.stdout
+        t0 = time.monotonic()
+        second = run([REPO / "mount-scripts" / "quickstart", mnt], timeout=120, env=env)
+        took = time.monotonic() - t0
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+        assert "reusing the tierfs mount" in second.stdout and "store already written" in second.stdout
+        assert "nothing to do" in second.stdout
+        assert took < 60, f"the second quickstart took {took:.1f} s"
+        for out in (first, second):
+            assert "installing tierfs" not in out.stdout, "the venv was reinstalled"
+        assert os.readlink(bin_dir / "tierfs") == str(TIERFS)
+        state = qs / "hot" / ".tierfs"
+        assert list((state / "jobs").glob("*/spark-log4j2.properties")), "the Spark job did not run"
+        assert list((state / "objects").rglob("*.lz4c"))
+        assert _private(state) == []
+    finally:
+        _force_unmount(qs / "hot", mnt)
+
+
+# ----------------------------------------------------------------------------- 2
+
+
+def test_mount_from_the_directory_holding_the_clone(tmp_path, fuse_required):
+    """`cd /tmp && tierfs/mount-scripts/quickstart`: a `tierfs/` folder in the current directory must not shadow
+    the installed package in the daemon, and the daemon must not keep that directory busy."""
+    fake = tmp_path / "tierfs"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('the current directory shadowed the tierfs package')\n")
+    hot, mnt = tmp_path / "hot", tmp_path / "mnt"
+    hot.mkdir()
+    mnt.mkdir()
+    try:
+        r = run([TIERFS, "mount", "hot", "mnt"], cwd=tmp_path, timeout=90)
+        assert r.returncode == 0, r.stderr
+        pid = int((hot / ".tierfs" / "daemon.pid").read_text())
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        (mnt / "f").write_text("x")
+        assert (hot / "f").read_text() == "x"
+        r = run([TIERFS, "umount", "mnt"], cwd=tmp_path, timeout=90)
+        assert r.returncode == 0, r.stderr
+    finally:
+        _force_unmount(hot.resolve(), mnt.resolve())
+
+
+# ----------------------------------------------------------------------------- 3
+
+
+def test_daemon_state_is_private_and_new_files_keep_the_callers_mode(mount_store):
+    """State files 0600, dirs 0700, also when an older version left them world-writable; files made through the
+    mount keep exactly the caller's mode and umask (the daemon's own umask must not reach them)."""
+    hot = mount_store(mount=False).hot
+    state = hot / ".tierfs"
+    state.mkdir(mode=0o777)
+    os.chmod(state, 0o777)  # as an older daemon (umask 0) left it
+    m = mount_store(hot=hot, options=["seal.quiet_seconds=0.2,seal.scan_interval_seconds=0.2"])
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    for name in ("daemon.pid", "daemon.lock", "store-id", "tierfs.log", "catalog.db"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE((state / "jobs").stat().st_mode) == 0o700
+    r = m.cli("compact", m.mnt, "--json", timeout=60)  # nothing tiered yet: a job that does nothing, no Spark
+    assert r.returncode == 0, r.stderr
+    assert _private(state) == []
+    code = ("import os, sys\nos.umask(0o002)\nos.mkdir('d', 0o777)\n"
+            "os.close(os.open('d/f', os.O_CREAT | os.O_WRONLY, 0o666))\nos.mkfifo('p', 0o666)")
+    run([sys.executable, "-c", code], cwd=m.mnt, check=True)
+    for rel, mode in (("d", 0o775), ("d/f", 0o664), ("p", 0o664)):
+        assert stat.S_IMODE(os.lstat(m.path(rel)).st_mode) == mode, rel
+        assert stat.S_IMODE(os.lstat(m.hot_path(rel)).st_mode) == mode, rel
+
+
+# ----------------------------------------------------------------------------- 4
+
+BROKER_LIKE = r"""
+import fcntl, mmap, os, sys
+os.makedirs("commitlog", exist_ok=True)
+lock = os.open("lock", os.O_CREAT | os.O_RDWR, 0o644)
+fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+fd = os.open("commitlog/00000000000000000000", os.O_CREAT | os.O_RDWR, 0o644)
+os.ftruncate(fd, 1 << 20)
+with mmap.mmap(fd, 1 << 20) as m:
+    m[:11] = b"hello-store"
+    m.flush()
+os.fsync(fd)
+os.rename("commitlog/00000000000000000000", "commitlog/00000000000001048576")
+assert os.pread(fd, 11, 0) == b"hello-store"
+print(sorted(n for n in os.listdir(".") if n != ".tierfs"), os.stat("commitlog/00000000000001048576").st_uid)
+"""
+
+
+@pytest.mark.skipif(not is_root(), reason="needs another user")
+def test_broker_running_as_its_own_user_with_allow_other(mount_store, tmp_path):
+    """The README's non-root recipe: the hot dir belongs to the broker's user, root mounts it with
+    mount.allow_other, and the broker (mkdir, fcntl lock, create, mmap, fsync, rename) works as that user.
+    Without allow_other, `tierfs mount` says why the broker would be refused."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for the broker's user")
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    os.chown(hot, BROKER_UID, BROKER_GID)
+    plain = mount_store(hot=hot)
+    assert "mount.allow_other" in plain.last_result.stderr, plain.last_result.stderr
+    r = subprocess.run([python, "-c", "import os; os.listdir('.')"], cwd=plain.mnt, user=BROKER_UID,
+                       group=BROKER_GID, extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "Permission denied" in r.stderr  # what the warning foretold
+    plain.umount()
+    m = mount_store(hot=hot, options=["mount.allow_other=true"], mnt=plain.mnt)
+    assert "allow_other" not in m.last_result.stderr
+    r = subprocess.run([python, "-c", BROKER_LIKE], cwd=m.mnt, user=BROKER_UID, group=BROKER_GID, extra_groups=[],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["['commitlog',", "'lock']", str(BROKER_UID)]
+    for p in ("commitlog", "lock", "commitlog/00000000000001048576"):
+        st = m.hot_path(p).stat()
+        assert (st.st_uid, st.st_gid) == (BROKER_UID, BROKER_GID), p
