@@ -4,7 +4,9 @@ as its own user, and the CLI's rough edges."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -180,3 +182,72 @@ def test_broker_running_as_its_own_user_with_allow_other(mount_store, tmp_path):
     for p in ("commitlog", "lock", "commitlog/00000000000001048576"):
         st = m.hot_path(p).stat()
         assert (st.st_uid, st.st_gid) == (BROKER_UID, BROKER_GID), p
+
+
+# ----------------------------------------------------------------------------- 7
+
+
+def test_config_errors_are_all_reported_and_point_to_config_doc(tmp_path):
+    """Every bad key of a config file at once; an unknown section names the sections and `tierfs config-doc`."""
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "mnt").mkdir()
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[mount]\nmax_tasks = 0\nlog_levl = "debug"\n[cahce]\nmax_bytes = "1GiB"\n')
+    r = run([TIERFS, "mount", tmp_path / "hot", tmp_path / "mnt", "--config", cfg, "-o", "statfs.capacity_bytes=-1"])
+    assert r.returncode == 2, r.stderr
+    assert "4 configuration errors" in r.stderr, r.stderr
+    for needle in ("'mount.max_tasks'", "Did you mean 'mount.log_level'?", "There is no section [cahce]",
+                   "Did you mean 'cache.max_bytes'?", "tierfs config-doc", "'statfs.capacity_bytes'"):
+        assert needle in r.stderr, (needle, r.stderr)
+    assert "README" not in r.stderr
+
+
+def _job(state: Path, job_id: str, applied: dict, note: str = "") -> None:
+    d = state / "jobs" / job_id
+    d.mkdir(parents=True)
+    summary = {"job_id": job_id, "ok": True, "trigger": "schedule", "stages": ["segments"], "applied": applied,
+               "skipped": [], "errors": [], "seconds": 1.0, **({"note": note} if note else {})}
+    (d / "applied.json").write_text(json.dumps(summary))
+
+
+def test_cli_rough_edges(mount_store, tmp_path):
+    """A second daemon on the same hot dir: one 'tierfs:' and both mountpoints named; /.tierfs/config names the -o
+    overrides; `status` in units without Python dict syntax, keeping the last job that did something after many
+    no-op runs; `query`: singular/plural, and a clear error for a topic the store does not have."""
+    hot = mount_store(mount=False).hot
+    state = hot / ".tierfs"
+    _job(state, "20200101-000000-useful", {"segments": 7, "indexes": 2, "archive": 1})
+    for i in range(22):
+        _job(state, f"20200101-0001{i:02d}-noop", {}, "nothing to do")
+    m = mount_store(hot=hot, options=["mount.log_level=debug", "broker.max_hash_slot_num=500",
+                                      "broker.max_index_num=2000"])
+    r = run([sys.executable, str(REPO / "examples" / "producer.py"), m.mnt, "--commitlog-size", str(1 << 20),
+             "--cq-size", "6000", "--index-slots", "500", "--index-items", "2000", "--messages", "50", "--topics",
+             "2", "--queues", "1"], timeout=60)
+    assert r.returncode == 0, r.stderr
+
+    other = tmp_path / "mnt-second"
+    other.mkdir()
+    r = run([TIERFS, "mount", hot, other], timeout=60)
+    assert r.returncode != 0
+    assert r.stderr.count("tierfs: ") == 1, r.stderr
+    assert f"at {other}" in r.stderr and f"at {m.mnt}" in r.stderr, r.stderr
+
+    assert (m.ctl / "config").read_text().splitlines()[0].endswith(
+        "+ -o mount.log_level,broker.max_hash_slot_num,broker.max_index_num)")
+
+    r = m.cli("compact", m.mnt, "--json")  # nothing tiered: a no-op job, and a prune of the job dirs
+    assert r.returncode == 0, r.stderr
+    assert (state / "jobs" / "20200101-000000-useful").is_dir()
+    text = run([TIERFS, "status", m.mnt], check=True).stdout
+    assert "{" not in text and "[" not in text, text
+    assert re.search(r"hot_dir_bytes_free\s+[\d.]+ [KMGT]iB", text), text
+    assert "20200101-000000-useful ok: 7 segments compacted, 2 index sidecars, 1 commitlogs archived" in text, text
+
+    r = run([TIERFS, "query", m.mnt, "--topic", "NoSuchTopic", "--key", "k-0"])
+    assert r.returncode == 1 and "topic 'NoSuchTopic' does not exist in this store" in r.stderr, r.stderr
+    assert "TopicTest0" in r.stderr
+    r = run([TIERFS, "query", m.mnt, "--topic", "TopicTest0", "--key", "k-0"], check=True)
+    assert "1 message (" in r.stderr, r.stderr
+    r = run([TIERFS, "query", m.mnt, "--topic", "TopicTest0", "--key", "no-such-key"], check=True)
+    assert "no message of topic 'TopicTest0' has key 'no-such-key'" in r.stderr and "0 messages (" in r.stderr

@@ -132,10 +132,27 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': what a person reads (status.json keeps exact byte counts)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def _scalar(key: str, value: object) -> str:
+    if "bytes" in key.split("_") and isinstance(value, int) and not isinstance(value, bool):
+        return human_bytes(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
 def render_status(d: dict) -> str:
     scalars = {k: v for k, v in d.items() if not isinstance(v, (dict, list))}
     width = max(len(k) for k in scalars)
-    out = ["tierfs status"] + [f"  {k:<{width}}  {v}" for k, v in scalars.items()]
+    out = ["tierfs status"] + [f"  {k:<{width}}  {_scalar(k, v)}" for k, v in scalars.items()]
     t = d["totals"]
     out.append("")
     out.append(f"  {'kind':<18}{'files':>7}{'hot':>6}{'tiered':>8}{'MiB local':>11}{'MiB remote':>12}"
@@ -164,12 +181,26 @@ def render_compaction(c: dict) -> list[str]:
     if r:
         out.append(f"  compaction: job {r['job_id']} running ({','.join(r['stages'])}, {r['trigger']}), "
                    f"{r['done']}/{r['total']} items, {r['seconds']} s")
-    for j in (c.get("last") or [])[:3]:
+    jobs = list((c.get("last") or [])[:3])
+    useful = c.get("last_useful")
+    if useful and all(j.get("job_id") != useful.get("job_id") for j in jobs):
+        jobs.append(useful)  # the newest job that changed something, however many no-op runs came after it
+    for j in jobs:
         ratio = f", ratio {j['bytes_in'] / j['bytes_out']:.2f}" if j.get("bytes_out") else ""
         state = "ok" if j.get("ok") else f"{len(j.get('errors') or [])} errors"
-        out.append(f"  compaction: job {j['job_id']} {state}: applied {j.get('applied')}{ratio}"
-                   f"{', ' + j['note'] if j.get('note') else ''}")
+        what = applied_text(j.get("applied"))
+        if j.get("note"):
+            what = j["note"] if what == "nothing applied" else f"{what}, {j['note']}"
+        out.append(f"  compaction: job {j['job_id']} {state}: {what}{ratio}")
     return out
+
+
+def applied_text(applied: dict | None) -> str:
+    """{'segments': 18, 'indexes': 10, 'archive': 4} -> '18 segments compacted, 10 index sidecars, ...'."""
+    a = applied or {}
+    parts = [f"{a[k]} {what}" for k, what in (("segments", "segments compacted"), ("indexes", "index sidecars"),
+                                              ("archive", "commitlogs archived")) if a.get(k)]
+    return ", ".join(parts) if parts else "nothing applied"
 
 
 def render_segments(ops: "TierOperations") -> str:

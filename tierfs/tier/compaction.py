@@ -362,17 +362,38 @@ class Compactor:
             done, total = progress_counts(j.dir)
             out["running"] = {"job_id": j.job_id, "stages": j.stages, "trigger": j.trigger,
                               "seconds": round(time.time() - j.started, 1), "done": done, "total": total}
-        for d in sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)[:5]:
+        done = sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)
+        for d in done[:5]:
             try:
                 out["last"].append(json.loads((d / "applied.json").read_text()))
             except (OSError, ValueError):
                 continue
+        useful = _last_useful(done)
+        if useful is not None:
+            out["last_useful"] = useful
         return out
 
     def _prune(self) -> None:
+        """Keep the newest KEEP_JOB_DIRS jobs, and the newest one that applied something (scheduled runs with
+        nothing to do must not push the last real result out of `status`)."""
         dirs = sorted(p for p in self.jobs.glob("*") if (p / "applied.json").exists())
+        useful = _last_useful(dirs[::-1])
+        keep = useful["job_id"] if useful else None
         for d in dirs[:-KEEP_JOB_DIRS]:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.name != keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _last_useful(newest_first: list[Path]) -> dict | None:
+    """The summary of the newest job that applied anything (or failed), from job dirs newest first."""
+    for d in newest_first:
+        try:
+            s = json.loads((d / "applied.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if any((s.get("applied") or {}).values()) or not s.get("ok", True):
+            return s
+    return None
 
 
 def progress_counts(d: Path) -> tuple[int, int]:
