@@ -251,3 +251,18 @@ def test_cli_rough_edges(mount_store, tmp_path):
     assert "1 message (" in r.stderr, r.stderr
     r = run([TIERFS, "query", m.mnt, "--topic", "TopicTest0", "--key", "no-such-key"], check=True)
     assert "no message of topic 'TopicTest0' has key 'no-such-key'" in r.stderr and "0 messages (" in r.stderr
+
+
+def test_readme_documents_every_cli_option_and_the_non_root_recipe():
+    """README: every option of every `tierfs` command, how to get `tierfs` on PATH, and allow_other for a
+    broker running as its own user."""
+    import argparse
+
+    from tierfs.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{cmd} {opt}" for cmd, p in sub.choices.items() for a in p._actions for opt in a.option_strings
+               if opt not in ("-h", "--help") and f"`{opt}" not in readme and f"[{opt}" not in readme]
+    assert missing == []
+    assert "export PATH=" in readme and "mount.allow_other=true" in readme and "user_allow_other" in readme
