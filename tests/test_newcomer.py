@@ -266,3 +266,55 @@ def test_readme_documents_every_cli_option_and_the_non_root_recipe():
                if opt not in ("-h", "--help") and f"`{opt}" not in readme and f"[{opt}" not in readme]
     assert missing == []
     assert "export PATH=" in readme and "mount.allow_other=true" in readme and "user_allow_other" in readme
+
+
+# ----------------------------------------------------------------------------- 5
+
+PATH_MAX_OPS = r"""
+import os, sys
+base, n = sys.argv[1], int(sys.argv[2])
+comps = ["d%03d" % i + "x" * 246 for i in range(n)]  # 250 bytes each (NAME_MAX is 255)
+for i in range(1, n + 1):  # each level by its full path through the mount
+    os.mkdir(base + "/" + "/".join(comps[:i]), 0o755)
+d = base + "/" + "/".join(comps)
+name = min(4095 - len(d) - 1 - 1, 255)  # PATH_MAX counts the NUL
+f, g = d + "/" + "f" * name, d + "/" + "g" * name
+fd = os.open(f, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+os.write(fd, b"hello")
+os.close(fd)
+os.chmod(f, 0o600)
+os.chown(f, 1234, 2345)
+os.truncate(f, 2)
+os.utime(f, ns=(10**18, 10**18))
+os.link(f, g)
+os.unlink(g)
+os.symlink("target", g)
+assert os.readlink(g) == "target"
+os.unlink(g)
+os.rename(f, g)
+with open(g, "rb") as fh:
+    assert fh.read() == b"he"
+st = os.stat(g)
+assert (st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_mtime_ns) == (0o600, 1234, 2345, 10**18), st
+assert os.listdir(d) == [os.path.basename(g)]
+os.unlink(g)
+os.mkdir(f, 0o700)
+os.rmdir(f)
+os.mknod(f, 0o644)
+os.unlink(f)
+print(len(f))
+"""
+
+
+@pytest.mark.skipif(not is_root(), reason="chown to another user needs root")
+def test_paths_close_to_path_max(mount_store, tmp_path):
+    """Every namespace and attribute operation on a path just under PATH_MAX through the mount, with a hot dir
+    whose own path is much longer than the mountpoint's (prefixing it made them all fail with ENAMETOOLONG)."""
+    hot = tmp_path / ("h" * 180) / ("h" * 180)  # SQLite opens at most 512-byte paths: the catalog limits this
+    mnt = tmp_path / "m"
+    m = mount_store(hot=hot, mnt=mnt)
+    levels = (4095 - len(str(m.mnt)) - 200) // 251
+    r = run([sys.executable, "-c", PATH_MAX_OPS, m.mnt, str(levels)], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) > 3900 and len(str(m.hot)) + int(r.stdout) - len(str(m.mnt)) > 4096
+    assert m.alive()
