@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mountutil import is_root, lazy_unmount, pid_alive, run, wait_for
+from test_tiering import TIER_OPTS, copy_in, reference_store, segments  # noqa: F401 (reference_store: a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 TIERFS = Path(sys.executable).parent / "tierfs"  # the console script a user runs
@@ -318,3 +319,54 @@ def test_paths_close_to_path_max(mount_store, tmp_path):
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) > 3900 and len(str(m.hot)) + int(r.stdout) - len(str(m.mnt)) > 4096
     assert m.alive()
+
+
+# ----------------------------------------------------------------------------- 8
+
+
+def test_store_roots_below_the_mount_root_are_tiered(mount_store, reference_store):
+    """A master's and a slave's store under one mount (storePathRootDir = MNT/master, MNT/slave): both are found by
+    their layout, sealed, uploaded, evicted and read back exactly, with a status section and a query each."""
+
+    m = mount_store(options=[TIER_OPTS])
+    for root in ("master", "slave"):
+        (m.mnt / root).mkdir()
+        copy_in(reference_store, m.mnt / root)
+    sealed = [rel for rel in segments(reference_store) if rel.startswith("commitlog/")][:-1]  # the last is active
+    want = [f"{root}/{rel}" for root in ("master", "slave") for rel in sealed]
+
+    def tiered_and_evicted() -> bool:
+        files = {f["path"]: f for f in json.loads((m.ctl / "status.json").read_text())["files"]}
+        return all(files.get(p, {}).get("state") == "tiered" for p in want) and all(
+            any(files[p]["resident_bytes"] < files[p]["size"] for p in want if p.startswith(root))
+            for root in ("master/", "slave/"))
+
+    wait_for(tiered_and_evicted, timeout=60, what="both stores' sealed CommitLog segments tiered and evicted")
+    for p in want:
+        assert (m.mnt / p).read_bytes() == (reference_store / p.split("/", 1)[1]).read_bytes(), p
+    text = (m.ctl / "status").read_text()
+    assert "store master" in text and "store slave" in text, text
+    stores = json.loads((m.ctl / "status.json").read_text())["totals"]["stores"]
+    assert stores["master"]["commitlog"]["tiered"] >= len(sealed) and stores["slave"]["commitlog"]["tiered"] >= len(sealed)
+    r = run([TIERFS, "query", m.mnt, "--store", "slave", "--topic", "TopicTest0", "--key", "k-0"], check=True)
+    assert "1 message (" in r.stderr, r.stderr
+
+
+def test_store_root_paths_and_archive_names():
+    """Classification by layout below the mount root, and archive part names that keep two stores apart."""
+    from tierfs.spark.archive import part_name
+    from tierfs.store.paths import Kind, classify, split_root
+    from tierfs.tier.storeroots import check_roots, parse_roots
+
+    assert classify("slave/commitlog/00000000000000000000") is Kind.COMMITLOG
+    assert classify("a/b/consumequeue/T/0/00000000000000000000") is Kind.CONSUMEQUEUE
+    assert classify("m/index/20240101000000000") is Kind.INDEX
+    for mutable in ("consumequeue/x/commitlog/00000000000000000000", ".tierfs/commitlog/00000000000000000000",
+                    "index/x/commitlog/00000000000000000000", "slave/config/topics.json"):
+        assert classify(mutable) is Kind.MUTABLE, mutable
+    assert split_root("a/b/consumequeue/T/0/00000000000000000000") == ("a/b", "consumequeue/T/0/00000000000000000000")
+    assert split_root("commitlog/00000000000000000000") == ("", "commitlog/00000000000000000000")
+    assert part_name("commitlog/00000000000000000000") == "00000000000000000000"
+    assert part_name("slave/commitlog/00000000000000000000") == "slave~00000000000000000000"
+    assert parse_roots(" master, slave/ ,.") == ["master", "slave", ""]
+    assert check_roots("../x") and check_roots("a/commitlog") and check_roots("master,slave") is None

@@ -155,6 +155,9 @@ SCHEMA: tuple[Key, ...] = (
         "Segments are stored as chunk objects of this size (a multiple of cache.block_bytes).", minimum=1 << 16),
     Key("store.id", "str", "", "Store id in object keys (<store-id>/seg/...). Empty: generated once, kept in "
         "HOT_DIR/.tierfs/store-id."),
+    Key("store.roots", "str", "",
+        "Store roots below the mount root, comma-separated relative dirs (e.g. 'master,slave'; '.' is the root). "
+        "Empty: found by layout (dirs holding commitlog/, consumequeue/ or index/, up to 3 levels down)."),
     # --- seal, upload, eviction ---------------------------------------------------------------------
     Key("tiering.enabled", "bool", True, "Seal, upload and evict segments. Off: a plain local passthrough."),
     Key("seal.quiet_seconds", "float", 10.0,
@@ -382,7 +385,17 @@ def _check_stages(key: "Key", value: str) -> None:
                           f"of segments, index, archive")
 
 
+def _check_roots(key: "Key", value: str) -> None:
+    from tierfs.tier.storeroots import check_roots  # noqa: PLC0415 (pure, no I/O at import)
+
+    why = check_roots(value)
+    if why:
+        raise ConfigError(f"config key '{key.name}': invalid value {value!r}: {why}; allowed: relative "
+                          f"directories separated by commas, e.g. 'master,slave'")
+
+
 _CHECKS: dict[str, Callable[["Key", Any], None]] = {
+    "store.roots": _check_roots,
     "archive.retention": _check_retention,
     "metrics.listen": _check_listen,
     "compaction.stages": _check_stages,

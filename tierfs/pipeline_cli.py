@@ -277,8 +277,11 @@ def cmd_query(args: argparse.Namespace) -> int:
     if isinstance(found, str):
         return _fail(found)
     mnt, state = found
-    index_dir = Path(args.index_dir) if args.index_dir else mnt / "index"
-    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else mnt / "commitlog"
+    root = mnt / args.store if args.store else mnt
+    if args.store and not root.is_dir():
+        return _fail(f"--store {args.store}: {root} is not a directory below the mount")
+    index_dir = Path(args.index_dir) if args.index_dir else root / "index"
+    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else root / "commitlog"
     for d, flag in ((index_dir, "--index-dir"), (commitlog_dir, "--commitlog-dir")):
         if not d.is_dir():
             return _fail(f"{d} is not a directory; pass the broker's directory with {flag}")
@@ -342,7 +345,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--begin", type=int, default=0, metavar="MS", help="store time from (ms since epoch)")
     q.add_argument("--end", type=int, default=LONG_MAX, metavar="MS", help="store time to (ms since epoch)")
     q.add_argument("--max", type=int, default=32, metavar="N", help="at most N messages (the broker caps at 64)")
-    q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT/index")
+    q.add_argument("--store", metavar="SUBDIR", help="a store whose root is below the mount root (storePathRootDir "
+                   "= MOUNTPOINT/SUBDIR); default: the mount root")
+    q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT[/SUBDIR]/index")
     q.add_argument("--commitlog-dir", metavar="DIR", help="default MOUNTPOINT/commitlog (storePathCommitLog)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_query)

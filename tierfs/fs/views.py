@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tierfs import __version__
 from tierfs.config import Config
+from tierfs.store.paths import split_root
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -30,43 +31,53 @@ def files_list(ops: "TierOperations") -> list[dict]:
     return out
 
 
+def _kind_row() -> dict:
+    return {"files": 0, "hot": 0, "tiered": 0, "bytes": 0, "bytes_local": 0, "bytes_remote": 0, "backlog_files": 0,
+            "backlog_bytes": 0, "backlog_age_s": 0.0}
+
+
 def totals(eng) -> dict:
     """Per kind: every segment (hot ones without a catalog row come from the engine's last scan, so local bytes
     are what the disk holds), bytes in the object store, and the upload backlog with the age of its oldest.
-    One pass over the rows and no per-file records: `status` stays cheap with 100,000 segments."""
-    per_kind: dict[str, dict] = defaultdict(lambda: {"files": 0, "hot": 0, "tiered": 0, "bytes": 0, "bytes_local": 0,
-                                                     "bytes_remote": 0, "backlog_files": 0, "backlog_bytes": 0,
-                                                     "backlog_age_s": 0.0})
-    since: dict[str, float] = {}  # per kind: when the oldest segment waiting for upload was sealed
+    The same per store root ("/" or a store below the mount root, e.g. "slave"). One pass over the rows and no
+    per-file records: `status` stays cheap with 100,000 segments."""
+    per_kind: dict[str, dict] = defaultdict(_kind_row)
+    per_store: dict[str, dict[str, dict]] = defaultdict(lambda: defaultdict(_kind_row))
+    since: dict[tuple[str, str], float] = {}  # per (store, kind): when its oldest segment waiting was sealed
     if eng is not None:
         tiered, waiting = State.TIERED, (State.SEALED, State.UPLOADING)
         for e in list(eng.entries.values()):
-            k = per_kind[e.kind]
-            k["files"] += 1
-            k["bytes"] += e.size
-            if e.state is tiered:
-                k["tiered"] += 1
-                k["bytes_remote"] += e.size
-                k["bytes_local"] += e.resident_bytes()
-                continue
-            k["bytes_local"] += e.size
+            root = split_root(e.path)[0] or "/"
+            for k in (per_kind[e.kind], per_store[root][e.kind]):
+                k["files"] += 1
+                k["bytes"] += e.size
+                if e.state is tiered:
+                    k["tiered"] += 1
+                    k["bytes_remote"] += e.size
+                    k["bytes_local"] += e.resident_bytes()
+                    continue
+                k["bytes_local"] += e.size
+                if e.state in waiting:
+                    k["backlog_files"] += 1
+                    k["backlog_bytes"] += e.size
+                else:
+                    k["hot"] += 1
             if e.state in waiting:
-                k["backlog_files"] += 1
-                k["backlog_bytes"] += e.size
-                since[e.kind] = min(since.get(e.kind, e.state_since), e.state_since)
-            else:
-                k["hot"] += 1
+                since[(root, e.kind)] = min(since.get((root, e.kind), e.state_since), e.state_since)
         for rel, (kind, size, local) in list(eng.hot_segments.items()):
             if rel not in eng.entries:
-                k = per_kind[kind]
-                k["files"] += 1
-                k["hot"] += 1
-                k["bytes"] += size
-                k["bytes_local"] += local
+                for k in (per_kind[kind], per_store[split_root(rel)[0] or "/"][kind]):
+                    k["files"] += 1
+                    k["hot"] += 1
+                    k["bytes"] += size
+                    k["bytes_local"] += local
     now = time.time()
-    for kind, t in since.items():
-        per_kind[kind]["backlog_age_s"] = round(now - t, 1)
+    for (root, kind), t in since.items():
+        age = round(now - t, 1)
+        per_store[root][kind]["backlog_age_s"] = age
+        per_kind[kind]["backlog_age_s"] = max(per_kind[kind]["backlog_age_s"], age)
     return {"per_kind": dict(per_kind),
+            "stores": {root: dict(kinds) for root, kinds in sorted(per_store.items())},
             "upload_backlog_files": sum(k["backlog_files"] for k in per_kind.values()),
             "upload_backlog_bytes": sum(k["backlog_bytes"] for k in per_kind.values()),
             "upload_backlog_age_s": round(now - min(since.values()), 1) if since else 0.0,
@@ -154,13 +165,18 @@ def render_status(d: dict) -> str:
     width = max(len(k) for k in scalars)
     out = ["tierfs status"] + [f"  {k:<{width}}  {_scalar(k, v)}" for k, v in scalars.items()]
     t = d["totals"]
-    out.append("")
-    out.append(f"  {'kind':<18}{'files':>7}{'hot':>6}{'tiered':>8}{'MiB local':>11}{'MiB remote':>12}"
-               f"{'backlog':>9}{'MiB':>9}{'oldest s':>10}")
-    for kind, k in sorted(t["per_kind"].items()):
-        out.append(f"  {kind:<18}{k['files']:>7}{k['hot']:>6}{k['tiered']:>8}{_mib(k['bytes_local']):>11}"
-                   f"{_mib(k['bytes_remote']):>12}{k['backlog_files']:>9}{_mib(k['backlog_bytes']):>9}"
-                   f"{k['backlog_age_s']:>10.1f}")
+    stores = t.get("stores") or {}
+    sections = sorted(stores.items()) if len(stores) > 1 or set(stores) - {"/"} else [("", t["per_kind"])]
+    for root, kinds in sections:
+        out.append("")
+        if root:
+            out.append(f"  store {root}" + ("" if root == "/" else "  (a store root below the mount root)"))
+        out.append(f"  {'kind':<18}{'files':>7}{'hot':>6}{'tiered':>8}{'MiB local':>11}{'MiB remote':>12}"
+                   f"{'backlog':>9}{'MiB':>9}{'oldest s':>10}")
+        for kind, k in sorted(kinds.items()):
+            out.append(f"  {kind:<18}{k['files']:>7}{k['hot']:>6}{k['tiered']:>8}{_mib(k['bytes_local']):>11}"
+                       f"{_mib(k['bytes_remote']):>12}{k['backlog_files']:>9}{_mib(k['backlog_bytes']):>9}"
+                       f"{k['backlog_age_s']:>10.1f}")
     out.append(f"  upload backlog: {t['upload_backlog_files']} files, {_mib(t['upload_backlog_bytes'])} MiB, "
                f"oldest {t['upload_backlog_age_s']} s; cache {_mib(t['cache_bytes'])} MiB")
     e = t["engine"]
