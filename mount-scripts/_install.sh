@@ -28,19 +28,22 @@ install_system() {
   [ -e /dev/fuse ] || { log "error: /dev/fuse is missing; FUSE cannot work here (modprobe fuse?)"; exit 1; }
 }
 
+# The stamp holds the hash of setup.cfg + pyproject.toml and the extras installed with it ("<hash>[test]").
+# An install with extras also satisfies a plain one, so alternating `quickstart` and `test` installs once.
 install_python() {
   local extras="${1:-}"
   local stamp="$VENV/.tierfs-installed"
-  local want; want="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)$extras"
+  local hash; hash="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)"
   if [ ! -x "$PY" ]; then
     log "creating $VENV"
     python3 -m venv "$VENV"
   fi
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  local have; have="$(cat "$stamp" 2>/dev/null || true)"
+  if [ "$have" != "$hash$extras" ] && { [ -n "$extras" ] || [ "${have:0:16}" != "$hash" ]; }; then
     log "installing tierfs and its Python dependencies into .venv"
     "$PY" -m pip install -q --upgrade pip >/dev/null
     "$PY" -m pip install -q -e "$REPO$extras"
-    echo "$want" > "$stamp"
+    echo "$hash$extras" > "$stamp"
   fi
   export PYSPARK_PYTHON="$PY" PYSPARK_DRIVER_PYTHON="$PY"
 }

@@ -103,7 +103,7 @@ BAD_OVERRIDES = [
     # unknown key, with a did-you-mean
     ("mount.log_levl=debug", ["unknown config key 'mount.log_levl'", "Did you mean 'mount.log_level'?"]),
     ("statfs.capacity=1GiB", ["unknown config key 'statfs.capacity'", "Did you mean 'statfs.capacity_bytes'?"]),
-    ("nosuch.thing=1", ["unknown config key 'nosuch.thing'", "Known keys are listed in README.md"]),
+    ("nosuch.thing=1", ["unknown config key 'nosuch.thing'", "There is no section [nosuch]", "tierfs config-doc"]),
     # wrong type
     ("mount.max_tasks=abc", ["'mount.max_tasks'", "invalid value 'abc'", "allowed: an integer from 1 to 1024"]),
     ("mount.max_tasks=2.5", ["'mount.max_tasks'", "invalid value '2.5'", "an integer"]),

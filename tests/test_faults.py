@@ -113,14 +113,25 @@ READ_FAULTS = [  # bursts: the next `count` GETs of cold reads fail this way (fe
 
 
 class Rotator(threading.Thread):
-    """Cycles the proxy through `faults` every `period` seconds until stopped (then back to pass)."""
+    """Injects each of `faults` once, on the next matching request (so every kind is exercised however busy the
+    machine is: `covered` is set then), then cycles the proxy through `faults` every `period` seconds until stopped
+    (then back to pass)."""
 
     def __init__(self, proxy, faults, period: float = 0.5):
         super().__init__(daemon=True)
         self.proxy, self.faults, self.period = proxy, faults, period
         self.stop_event = threading.Event()
+        self.covered = threading.Event()
 
     def run(self) -> None:
+        for mode, kw in self.faults:  # first pass: a condition per fault, never a race against the uploads
+            before = self.proxy.stats()["faults"].get(mode, 0)
+            self.proxy.set(mode, **{**kw, "probability": 1.0, "count": 1})
+            while self.proxy.stats()["faults"].get(mode, 0) <= before:
+                if self.stop_event.wait(0.02):
+                    self.proxy.passthrough()
+                    return
+        self.covered.set()
         i = 0
         while not self.stop_event.is_set():
             mode, kw = self.faults[i % len(self.faults)]
@@ -151,6 +162,7 @@ def test_errors_resets_and_truncation_never_give_wrong_bytes(mount_store, refere
     rot.start()
     try:
         copy_in(reference_store, m.mnt)
+        wait_for(rot.covered.is_set, timeout=90, what="each upload fault injected once")
         wait_for(lambda: all(file_state(m, rel).get("state") == "tiered" for rel in segs), timeout=90,
                  what="every segment tiered despite the faults")
     finally:

@@ -704,7 +704,7 @@ os.mknod("node", 0o666 | stat.S_IFREG)
 
 
 def test_umask_applied_exactly_once(mounted):
-    """The daemon runs with umask 0 and applies the caller's umask once (not twice, not its own)."""
+    """The caller's umask is applied once (not twice), and the daemon's own umask (077) never."""
     for umask, fmode, dmode in (("027", 0o640, 0o750), ("000", 0o666, 0o777), ("077", 0o600, 0o700),
                                 ("002", 0o664, 0o775)):
         d = mounted.path(f"umask{umask}")

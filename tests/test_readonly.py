@@ -489,7 +489,10 @@ def test_s3_lease_lost_while_store_down_stops_store_writes(mount_store, rgw):
     finally:
         rgw.start_rgw()
     wait_for(lambda: status(w.mnt)["lease"]["held"], timeout=30, what="the lease held again")
-    assert "uploads, deletes and snapshots run" in w.log_text()
+    # the line is logged just after the lease is held again: wait for it, do not race it
+    wait_for(lambda: "uploads, deletes and snapshots run" in w.log_text(), timeout=30, what="the lease-held line")
+    log_text = w.log_text()
+    assert "lapsed while it could not be renewed" in log_text and "a crash" not in log_text
 
 
 def test_read_only_mount_serves_lz4c_raw_and_blob_rows_and_refuses_corrupt_bytes(ro_mount, tmp_path):

@@ -58,7 +58,7 @@ def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from tierfs.fs.mount import MountError, check_paths, serve, wait_until_mounted
+    from tierfs.fs.mount import MountError, check_paths, other_users_warning, serve, wait_until_mounted
 
     try:
         config = Config.load(args.config, args.options or ())
@@ -66,6 +66,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         paths = check_paths(hot_dir, mountpoint)
     except (ConfigError, ValueError, MountError) as e:  # ValueError: a bad --from URL or cache dir
         return _fail(str(e))
+    warning = other_users_warning(paths, config, args.read_only)
+    if warning and not args.foreground:  # in the foreground the daemon's log line shows on stderr
+        print(f"tierfs: warning: {warning}", file=sys.stderr)
     if args.foreground:
         try:
             return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True,
@@ -73,10 +76,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         except MountError as e:
             return _fail(str(e))
     log_file = paths.log_file(config)
-    paths.state.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "tierfs", "mount", str(paths.hot), str(paths.mountpoint), "--foreground"]
+    paths.state.mkdir(mode=0o700, exist_ok=True)
+    # -P and cwd "/": the caller's directory may hold a `tierfs/` folder (the clone itself) that would shadow the
+    # installed package, and a daemon must not keep the caller's directory busy.
+    cmd = [sys.executable, "-P", "-m", "tierfs", "mount", str(paths.hot), str(paths.mountpoint), "--foreground"]
     if args.read_only:
-        cmd[4:5] = ["--read-only", "--from", args.from_url, "--cache-dir", str(paths.hot.parent)]
+        cmd[5:6] = ["--read-only", "--from", args.from_url, "--cache-dir", str(paths.hot.parent)]
     if args.config:
         cmd += ["--config", os.path.abspath(args.config)]
     for o in args.options or ():
@@ -86,13 +91,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
     fd, tmp = tempfile.mkstemp(prefix="daemon.stderr.", dir=paths.state)
     err_file = Path(tmp)
     with open(os.devnull, "rb") as devnull, os.fdopen(fd, "wb") as err:
-        proc = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, start_new_session=True, close_fds=True,
+                                cwd="/")
     if not wait_until_mounted(paths.mountpoint, proc.pid):
-        tail = err_file.read_text(errors="replace").strip().splitlines()[-15:]
+        # the daemon's own lines start with "tierfs: " too: say it once
+        tail = [line.removeprefix("tierfs: ")
+                for line in err_file.read_text(errors="replace").strip().splitlines()[-15:]]
         if proc.poll() is None:
             proc.terminate()
         err_file.unlink(missing_ok=True)
-        return _fail("mount failed:\n  " + "\n  ".join(tail or ["(no output)"]) + f"\nlog: {log_file}", 1)
+        what = args.from_url if args.read_only else paths.hot
+        return _fail(f"mounting {what} at {paths.mountpoint} failed:\n  " + "\n  ".join(tail or ["(no output)"])
+                     + f"\nlog: {log_file}", 1)
     os.replace(err_file, paths.state / "daemon.stderr")
     src = f"{args.from_url} read-only (cache {paths.hot.parent})" if args.read_only else paths.hot
     print(f"tierfs: mounted {src} at {paths.mountpoint} (pid {proc.pid}, log {log_file})")

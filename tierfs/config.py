@@ -155,6 +155,9 @@ SCHEMA: tuple[Key, ...] = (
         "Segments are stored as chunk objects of this size (a multiple of cache.block_bytes).", minimum=1 << 16),
     Key("store.id", "str", "", "Store id in object keys (<store-id>/seg/...). Empty: generated once, kept in "
         "HOT_DIR/.tierfs/store-id."),
+    Key("store.roots", "str", "",
+        "Store roots below the mount root, comma-separated relative dirs (e.g. 'master,slave'; '.' is the root). "
+        "Empty: found by layout (dirs holding commitlog/, consumequeue/ or index/, up to 3 levels down)."),
     # --- seal, upload, eviction ---------------------------------------------------------------------
     Key("tiering.enabled", "bool", True, "Seal, upload and evict segments. Off: a plain local passthrough."),
     Key("seal.quiet_seconds", "float", 10.0,
@@ -232,11 +235,19 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, A
             yield full, value
 
 
+_SECTIONS = sorted({k.name.rpartition(".")[0] for k in SCHEMA})
+_KEYS_HINT = " 'tierfs config-doc' lists every key."
+
+
 def _suggest(name: str) -> str:
     import difflib
 
     close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
-    return f" Did you mean '{close[0]}'?" if close else " Known keys are listed in README.md (Configuration)."
+    key_hint = f" Did you mean '{close[0]}'?" if close else ""
+    section = name.rpartition(".")[0]
+    if section and section not in _SECTIONS:
+        return (f" There is no section [{section}]; sections are {', '.join(_SECTIONS)}.{key_hint}{_KEYS_HINT}")
+    return key_hint or _KEYS_HINT
 
 
 class Config:
@@ -287,7 +298,10 @@ class Config:
 
     @classmethod
     def load(cls, path: str | None = None, overrides: Iterable[str] = ()) -> "Config":
+        """Defaults, then the file, then the overrides. Every bad key or value is reported at once, so a config
+        file with three mistakes takes one round trip, not three."""
         cfg = cls(source=path or "defaults")
+        errors: list[str] = []
         if path:
             try:
                 tree = tomllib.loads(Path(path).read_text())
@@ -296,10 +310,29 @@ class Config:
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
             for name, value in _flatten(tree):
-                cfg.set(name, value)
+                try:
+                    cfg.set(name, value)
+                except ConfigError as e:
+                    errors.append(f"{path}: {e}")
+        overridden: list[str] = []
         for item in overrides:
-            for name, value in parse_overrides(item).items():
-                cfg.set(name, value)
+            try:
+                pairs = parse_overrides(item)
+            except ConfigError as e:
+                errors.append(str(e))
+                continue
+            for name, value in pairs.items():
+                try:
+                    cfg.set(name, value)
+                    overridden.append(name)
+                except ConfigError as e:
+                    errors.append(str(e))
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        if errors:
+            raise ConfigError(f"{len(errors)} configuration errors:\n  " + "\n  ".join(errors))
+        if overridden:
+            cfg.source += " + -o " + ",".join(dict.fromkeys(overridden))
         return cfg
 
 
@@ -352,7 +385,17 @@ def _check_stages(key: "Key", value: str) -> None:
                           f"of segments, index, archive")
 
 
+def _check_roots(key: "Key", value: str) -> None:
+    from tierfs.tier.storeroots import check_roots  # noqa: PLC0415 (pure, no I/O at import)
+
+    why = check_roots(value)
+    if why:
+        raise ConfigError(f"config key '{key.name}': invalid value {value!r}: {why}; allowed: relative "
+                          f"directories separated by commas, e.g. 'master,slave'")
+
+
 _CHECKS: dict[str, Callable[["Key", Any], None]] = {
+    "store.roots": _check_roots,
     "archive.retention": _check_retention,
     "metrics.listen": _check_listen,
     "compaction.stages": _check_stages,

@@ -277,11 +277,17 @@ def cmd_query(args: argparse.Namespace) -> int:
     if isinstance(found, str):
         return _fail(found)
     mnt, state = found
-    index_dir = Path(args.index_dir) if args.index_dir else mnt / "index"
-    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else mnt / "commitlog"
+    root = mnt / args.store if args.store else mnt
+    if args.store and not root.is_dir():
+        return _fail(f"--store {args.store}: {root} is not a directory below the mount")
+    index_dir = Path(args.index_dir) if args.index_dir else root / "index"
+    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else root / "commitlog"
     for d, flag in ((index_dir, "--index-dir"), (commitlog_dir, "--commitlog-dir")):
         if not d.is_dir():
             return _fail(f"{d} is not a directory; pass the broker's directory with {flag}")
+    missing = _missing_topic(index_dir.parent / "consumequeue", args.topic)
+    if missing:
+        return _fail(missing, 1)
     t0 = time.monotonic()
     offsets, stats = query_offsets(mnt, state, index_dir, ix.build_key(args.topic, args.key), args.begin,
                                    args.end, args.max)
@@ -300,10 +306,26 @@ def cmd_query(args: argparse.Namespace) -> int:
             print(f"{m['phys_offset']:>14}  {m['topic']}[{m['queue_id']}]@{m['queue_offset']}  "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(m['store_timestamp'] / 1000))}  "
                   f"keys={','.join(m['keys'])} tags={m['tags'] or ''}  {body}")
-        print(f"{len(msgs)} messages ({stats['hits']} index hits, {stats['files_searched']} index files, "
-              f"{stats['files_by_sidecar']} by sidecar with {stats['sidecar_gets']} GETs) in {stats['seconds']} s",
-              file=sys.stderr)
+        if not msgs:
+            print(f"no message of topic {args.topic!r} has key {args.key!r}"
+                  + (" in that time range" if args.begin or args.end != LONG_MAX else ""), file=sys.stderr)
+        print(f"{_plural(len(msgs), 'message')} ({_plural(stats['hits'], 'index hit')}, "
+              f"{_plural(stats['files_searched'], 'index file')}, {stats['files_by_sidecar']} by sidecar with "
+              f"{_plural(stats['sidecar_gets'], 'GET')}) in {stats['seconds']} s", file=sys.stderr)
     return 0
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _missing_topic(cq_dir: Path, topic: str) -> str | None:
+    """Why a topic cannot have messages here (the broker keeps a consumequeue/TOPIC dir per topic), or None."""
+    if not cq_dir.is_dir() or (cq_dir / topic).is_dir():
+        return None
+    topics = sorted(n for n in os.listdir(cq_dir) if (cq_dir / n).is_dir())
+    shown = ", ".join(topics[:20]) + (f" (and {len(topics) - 20} more)" if len(topics) > 20 else "")
+    return f"topic {topic!r} does not exist in this store (no {cq_dir / topic}); its topics: {shown or 'none'}"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -323,7 +345,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--begin", type=int, default=0, metavar="MS", help="store time from (ms since epoch)")
     q.add_argument("--end", type=int, default=LONG_MAX, metavar="MS", help="store time to (ms since epoch)")
     q.add_argument("--max", type=int, default=32, metavar="N", help="at most N messages (the broker caps at 64)")
-    q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT/index")
+    q.add_argument("--store", metavar="SUBDIR", help="a store whose root is below the mount root (storePathRootDir "
+                   "= MOUNTPOINT/SUBDIR); default: the mount root")
+    q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT[/SUBDIR]/index")
     q.add_argument("--commitlog-dir", metavar="DIR", help="default MOUNTPOINT/commitlog (storePathCommitLog)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_query)

@@ -23,7 +23,7 @@ import trio
 
 from tierfs import __version__
 from tierfs.config import Config
-from tierfs.fs.operations import STATE_DIR_NAME, TierOperations
+from tierfs.fs.operations import DAEMON_UMASK, STATE_DIR_NAME, TierOperations
 from tierfs.fs.stats import FsStats
 
 log = logging.getLogger("tierfs.mount")
@@ -189,8 +189,8 @@ class _DaemonLock:
     """fcntl lock on the state dir: one daemon per hot dir."""
 
     def __init__(self, paths: MountPaths):
-        paths.state.mkdir(exist_ok=True)
-        self.fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        paths.state.mkdir(mode=0o700, exist_ok=True)
+        self.fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -202,8 +202,10 @@ class _DaemonLock:
             except OSError:
                 pass
             os.close(self.fd)
-            raise MountError(f"another tierfs daemon (pid {holder}) already serves hot dir {paths.hot}; "
-                             f"unmount it first") from None
+            where = [m for src, m, t in mount_table() if t == "fuse.tierfs" and src == str(paths.hot)]
+            at = f" at {where[-1]}" if where else ""
+            raise MountError(f"another tierfs daemon (pid {holder}) already serves hot dir {paths.hot}{at}; "
+                             f"unmount it first (tierfs umount {where[-1] if where else 'MOUNTPOINT'})") from None
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -231,10 +233,17 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     cache of a mount from the bucket's newest catalog snapshot (objectstore.url and store.id name the store)."""
 
     paths = check_paths(hot_dir, mountpoint)
+    os.chdir("/")  # every path is absolute from here: never keep the caller's directory busy
+    # The daemon's own files (state, log, catalog, jobs, the embedded object store) are private to its user;
+    # files created through the mount get exactly the caller's mode and umask (TierOperations sets them).
+    os.umask(DAEMON_UMASK)
     lock = _DaemonLock(paths)
+    secure_state_dir(paths.state)
     setup_logging(paths.log_file(config), config["mount.log_level"], foreground_log)
     log.info("open-file limit %d (hard %d)", *raise_fd_limit())
-    os.umask(0)  # the request's umask is applied per request, once
+    warning = other_users_warning(paths, config, read_only)
+    if warning:
+        log.warning(warning)
     stats = FsStats()
     from tierfs.metrics import Metrics  # noqa: PLC0415
 
@@ -269,7 +278,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         options |= {"ro", "nosuid", "nodev"}  # the kernel refuses writes too; nothing from a bucket is trusted
     log.info("tierfs %s mounting %s at %s (pid %d)", __version__, paths.hot, paths.mountpoint, os.getpid())
     pyfuse3.init(ops, str(paths.mountpoint), options)
-    paths.pid_file.write_text(f"{os.getpid()}\n")
+    paths.pid_file.write_text(f"{os.getpid()}\n")  # 0600 under DAEMON_UMASK
     clean = False
     try:
         trio.run(_run, ops, engine, paths, config)
@@ -285,6 +294,23 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
             log.info("unmounted %s; clean exit", paths.mountpoint)
         os.close(lock.fd)
     return 0
+
+
+def secure_state_dir(state: Path) -> None:
+    """HOT_DIR/.tierfs holds the catalog, the log, job configs (Spark's log4j2 file) and, by default, the object
+    store: only the daemon's user may enter it, whatever modes older versions (umask 0) gave what is inside."""
+    os.chmod(state, 0o700)
+
+
+def other_users_warning(paths: MountPaths, config: Config, read_only: bool = False) -> str | None:
+    """A daemon without allow_other serves only its own user: a broker running as the hot dir's owner (the usual
+    set-up for a non-root broker) would get EACCES on every access. Said at mount, not discovered by the broker."""
+    owner = paths.hot.stat().st_uid
+    if read_only or config["mount.allow_other"] or owner == os.geteuid():
+        return None
+    return (f"hot dir {paths.hot} belongs to uid {owner} but mount.allow_other is false: only uid "
+            f"{os.geteuid()} can use {paths.mountpoint}; add -o mount.allow_other=true for a broker running as "
+            f"another user")
 
 
 async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -> None:

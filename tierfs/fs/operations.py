@@ -8,7 +8,6 @@ page-cache pread); fsync and directory scans, which can take milliseconds, go to
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import logging
@@ -25,6 +24,7 @@ from tierfs import failpoints
 from tierfs.config import Config
 from tierfs.fs import control
 from tierfs.fs.control import ControlDir
+from tierfs.fs.hotdir import HotDir
 from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.stats import FsStats
 from tierfs.store.paths import classify
@@ -39,14 +39,7 @@ _EXPECTED_ERRNOS = frozenset((errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno
 _MODIFYING = frozenset(("setattr", "mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "create",
                         "write", "setxattr", "removexattr", "fallocate"))
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_AT_FDCWD = -100
-
-
-def _renameat2(old: str, new: str, flags: int) -> None:
-    if _libc.renameat2(_AT_FDCWD, os.fsencode(old), _AT_FDCWD, os.fsencode(new), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+DAEMON_UMASK = 0o077  # the daemon's own files (state, log, jobs, posix object store) are private to its user
 
 
 def _handler(name: str) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
@@ -102,6 +95,7 @@ class TierOperations(pyfuse3.Operations):
     def __init__(self, hot_dir: str, config: Config, stats: FsStats | None = None, engine: Engine | None = None):
         super().__init__()
         self.hot = os.path.abspath(hot_dir)
+        self.hotdir = HotDir(self.hot)  # every hot-dir syscall is relative to its fd (no PATH_MAX overflow)
         self.config = config
         self.enable_writeback_cache = bool(config["mount.writeback_cache"])
         self.timeout = float(config["mount.attr_timeout"])
@@ -133,9 +127,6 @@ class TierOperations(pyfuse3.Operations):
                 return "/" + p
             return f"inode {first}"
         return repr(first)
-
-    def _full(self, rel: str) -> str:
-        return self.hot + "/" + rel if rel else self.hot
 
     def _rel(self, inode: int) -> str:
         p = self.inodes.path(inode)
@@ -175,7 +166,7 @@ class TierOperations(pyfuse3.Operations):
 
     def _entry(self, rel: str) -> pyfuse3.EntryAttributes:
         """lstat a path, register it, and answer with one new lookup reference."""
-        st = os.lstat(self._full(rel))
+        st = self.hotdir.lstat(rel)
         ino = self.inodes.ino_of(st)
         self.inodes.remember(ino, rel)
         return self._attrs(st, ino)
@@ -184,7 +175,7 @@ class TierOperations(pyfuse3.Operations):
         rel = self.inodes.path(inode)
         if rel is not None:
             try:
-                return os.lstat(self._full(rel))
+                return self.hotdir.lstat(rel)
             except FileNotFoundError:
                 pass
         fd = self.inodes.any_fd(inode)
@@ -195,13 +186,26 @@ class TierOperations(pyfuse3.Operations):
             return st
         raise pyfuse3.FUSEError(errno.ENOENT)
 
-    def _chown_new(self, path: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
+    def _chown_new(self, rel: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
         if not self._is_root or (ctx.uid == os.geteuid() and ctx.gid == os.getegid()):
             return  # already owned by the caller: skip the syscall (a third of a create's cost)
         if fd is not None:
             os.fchown(fd, ctx.uid, ctx.gid)
         else:
-            os.lchown(path, ctx.uid, ctx.gid)
+            self.hotdir.lchown(rel, ctx.uid, ctx.gid)
+
+    def _exact_mode(self, target: str | int, want: int, is_dir: bool = False) -> None:
+        """Give a new file exactly `want` (the caller's mode minus the caller's umask): the daemon's own umask
+        (DAEMON_UMASK, for its private files) must not apply to the broker's. A no-op when it took nothing away;
+        a setgid bit the new directory inherited from its parent stays."""
+        if not want & DAEMON_UMASK:
+            return
+        if isinstance(target, int):
+            os.fchmod(target, want)
+            return
+        if is_dir:
+            want |= self.hotdir.lstat(target).st_mode & stat.S_ISGID
+        self.hotdir.chmod(target, want)
 
     @staticmethod
     def _backing_flags(flags: int) -> int:
@@ -259,28 +263,32 @@ class TierOperations(pyfuse3.Operations):
             fd = self.inodes.any_fd(inode)
             if fd is None and inode in self._unlinked_stat:
                 return self._attrs(self._unlinked_stat[inode], inode)  # nothing left to change on disk
-        target: Any = fd if fd is not None else self._full(self._rel(inode))
-        if fields.update_size and self.engine is not None:
-            await self.engine.truncate_barrier(inode)
-            t = self._tiered.get(inode)
-            if t is not None:
-                await self.engine.before_truncate(t, inode, attr.st_size)
-            self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
+        rel = rel if fd is not None else self._rel(inode)
+        if fields.update_size:
+            if self.engine is not None:
+                await self.engine.truncate_barrier(inode)
+                t = self._tiered.get(inode)
+                if t is not None:
+                    await self.engine.before_truncate(t, inode, attr.st_size)
+                self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
-                os.truncate(target, attr.st_size)
+                self.hotdir.truncate(rel, attr.st_size)
         if fields.update_mode:
             st = self._stat_inode(inode)
             if not stat.S_ISLNK(st.st_mode):
-                os.chmod(target, stat.S_IMODE(attr.st_mode))
+                if fd is not None:
+                    os.fchmod(fd, stat.S_IMODE(attr.st_mode))
+                else:
+                    self.hotdir.chmod(rel, stat.S_IMODE(attr.st_mode))
         if fields.update_uid or fields.update_gid:
             uid = attr.st_uid if fields.update_uid else -1
             gid = attr.st_gid if fields.update_gid else -1
             if fd is not None:
                 os.fchown(fd, uid, gid)
             else:
-                os.lchown(target, uid, gid)
+                self.hotdir.lchown(rel, uid, gid)
         if fields.update_atime or fields.update_mtime:
             st = self._stat_inode(inode)
             atime = attr.st_atime_ns if fields.update_atime else st.st_atime_ns
@@ -288,12 +296,12 @@ class TierOperations(pyfuse3.Operations):
             if fd is not None:
                 os.utime(fd, ns=(atime, mtime))
             else:
-                os.utime(target, ns=(atime, mtime), follow_symlinks=False)
+                self.hotdir.utime(rel, (atime, mtime))
         return self._attrs(self._stat_inode(inode), inode)
 
     @_handler("readlink")
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return os.fsencode(os.readlink(self._full(self._rel(inode))))
+        return os.fsencode(self.hotdir.readlink(self._rel(inode)))
 
     @_handler("statfs")
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -343,26 +351,25 @@ class TierOperations(pyfuse3.Operations):
     async def mknod(self, parent: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         rel = self._child(parent, name)
-        full = self._full(rel)
-        os.mknod(full, mode & ~ctx.umask, rdev)
-        self._chown_new(full, ctx)
+        self.hotdir.mknod(rel, mode & ~ctx.umask, rdev)
+        self._chown_new(rel, ctx)
+        self._exact_mode(rel, mode & ~ctx.umask & 0o7777)
         return self._entry(rel)
 
     @_handler("mkdir")
     async def mkdir(self, parent: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         rel = self._child(parent, name)
-        full = self._full(rel)
-        os.mkdir(full, mode & ~ctx.umask & 0o7777)
-        self._chown_new(full, ctx)
+        self.hotdir.mkdir(rel, mode & ~ctx.umask & 0o7777)
+        self._chown_new(rel, ctx)
+        self._exact_mode(rel, mode & ~ctx.umask & 0o7777, is_dir=True)
         return self._entry(rel)
 
     @_handler("symlink")
     async def symlink(self, parent: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         rel = self._child(parent, name)
-        full = self._full(rel)
-        os.symlink(os.fsdecode(target), full)
-        self._chown_new(full, ctx)
+        self.hotdir.symlink(os.fsdecode(target), rel)
+        self._chown_new(rel, ctx)
         return self._entry(rel)
 
     @_handler("link")
@@ -374,16 +381,15 @@ class TierOperations(pyfuse3.Operations):
         src = self.inodes.path(inode)
         if src is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        os.link(self._full(src), self._full(rel), follow_symlinks=False)
+        self.hotdir.link(src, rel)
         return self._entry(rel)
 
     @_handler("unlink")
     async def unlink(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent, name)
-        full = self._full(rel)
-        st = os.lstat(full)
+        st = self.hotdir.lstat(rel)
         ino = self.inodes.ino_of(st)
-        os.unlink(full)
+        self.hotdir.unlink(rel)
         self.inodes.unlinked(ino, rel)
         if st.st_nlink <= 1:
             self._unlinked_stat[ino] = st
@@ -393,9 +399,8 @@ class TierOperations(pyfuse3.Operations):
     @_handler("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent, name)
-        full = self._full(rel)
-        ino = self.inodes.ino_of(os.lstat(full))
-        os.rmdir(full)
+        ino = self.inodes.ino_of(self.hotdir.lstat(rel))
+        self.hotdir.rmdir(rel)
         self.inodes.unlinked(ino, rel)
 
     @_handler("rename")
@@ -403,19 +408,16 @@ class TierOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> None:
         old = self._child(parent_old, name_old)
         new = self._child(parent_new, name_new)
-        is_dir = stat.S_ISDIR(os.lstat(self._full(old)).st_mode)
+        is_dir = stat.S_ISDIR(self.hotdir.lstat(old).st_mode)
         try:
-            replaced = os.lstat(self._full(new))
+            replaced = self.hotdir.lstat(new)
         except FileNotFoundError:
             replaced = None
-        if flags:
-            _renameat2(self._full(old), self._full(new), flags)
-        else:
-            os.rename(self._full(old), self._full(new))
+        self.hotdir.rename(old, new, flags)
         if flags & 2:  # RENAME_EXCHANGE: both names stay, swapped
             tmp = "\0exchange"
             self.inodes.renamed(old, tmp, is_dir)
-            self.inodes.renamed(new, old, stat.S_ISDIR(os.lstat(self._full(old)).st_mode))
+            self.inodes.renamed(new, old, stat.S_ISDIR(self.hotdir.lstat(old).st_mode))
             self.inodes.renamed(tmp, new, is_dir)
         else:
             self.inodes.renamed(old, new, is_dir)
@@ -454,7 +456,7 @@ class TierOperations(pyfuse3.Operations):
             fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
         else:
             await self._before_o_trunc(inode, flags)
-            fd = os.open(self._full(rel), self._backing_flags(flags))
+            fd = self.hotdir.open(rel, self._backing_flags(flags))
         return self._new_file_handle(inode, fd, rel)
 
     async def _before_o_trunc(self, inode: int, flags: int) -> None:
@@ -471,16 +473,16 @@ class TierOperations(pyfuse3.Operations):
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         rel = self._child(parent, name)
-        full = self._full(rel)
         bflags = self._backing_flags(flags)
         try:
-            fd = os.open(full, bflags | os.O_CREAT | os.O_EXCL, mode & ~ctx.umask & 0o7777)
-            self._chown_new(full, ctx, fd)
+            fd = self.hotdir.open(rel, bflags | os.O_CREAT | os.O_EXCL, mode & ~ctx.umask & 0o7777)
+            self._chown_new(rel, ctx, fd)
+            self._exact_mode(fd, mode & ~ctx.umask & 0o7777)
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
-            await self._before_o_trunc(os.lstat(full).st_ino, flags)
-            fd = os.open(full, bflags)
+            await self._before_o_trunc(self.hotdir.lstat(rel).st_ino, flags)
+            fd = self.hotdir.open(rel, bflags)
         try:
             entry = self._entry(rel)
         except BaseException:
@@ -561,7 +563,7 @@ class TierOperations(pyfuse3.Operations):
         small = False
         if not control.ControlDir.owns(inode):
             rel = self._rel(inode)
-            st = os.lstat(self._full(rel))
+            st = self.hotdir.lstat(rel)
             if not stat.S_ISDIR(st.st_mode):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             small = st.st_size <= _INLINE_LISTDIR_BYTES
@@ -582,7 +584,7 @@ class TierOperations(pyfuse3.Operations):
                 if i == 0:
                     attrs = self.control.attrs(control.DIR_INODE)
                 elif i == 1:
-                    attrs = self._attrs(os.lstat(self.hot), ROOT)
+                    attrs = self._attrs(self.hotdir.lstat(""), ROOT)
                 else:
                     attrs = self.control.attrs(self.control.inode_of(names[i]))
                 if not pyfuse3.readdir_reply(token, names[i].encode(), attrs, i + 1):
@@ -596,7 +598,7 @@ class TierOperations(pyfuse3.Operations):
             n = names[i]
             if i < 2:  # '.' and '..': the kernel takes no lookup reference for these
                 rel = d.path if i == 0 else d.path.rpartition("/")[0]
-                st = os.lstat(self._full(rel))
+                st = self.hotdir.lstat(rel)
                 if not pyfuse3.readdir_reply(token, n.encode(), self._attrs(st, self.inodes.ino_of(st)), i + 1):
                     return
                 continue
@@ -607,7 +609,7 @@ class TierOperations(pyfuse3.Operations):
                 continue
             rel = prefix + n
             try:
-                st = os.lstat(self._full(rel))
+                st = self.hotdir.lstat(rel)
             except FileNotFoundError:
                 continue
             ino = self.inodes.ino_of(st)
@@ -616,7 +618,7 @@ class TierOperations(pyfuse3.Operations):
             self.inodes.remember(ino, rel)  # readdirplus: the kernel took a lookup reference
 
     def _list_dir(self, rel: str) -> list[str]:
-        names = [".", ".."] + os.listdir(self._full(rel))
+        names = [".", ".."] + self.hotdir.listdir(rel)
         if not rel:  # the state dir is never visible; the control dir takes its name
             if STATE_DIR_NAME in names:
                 names.remove(STATE_DIR_NAME)
@@ -632,7 +634,7 @@ class TierOperations(pyfuse3.Operations):
         d = self._dirs.get(fh)
         if d is None or control.ControlDir.owns(d.inode):
             return
-        fd = os.open(self._full(d.path), os.O_RDONLY | os.O_DIRECTORY)
+        fd = self.hotdir.open_dir(d.path)
         try:
             await trio.to_thread.run_sync(os.fsync, fd)
         finally:

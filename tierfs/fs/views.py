@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tierfs import __version__
 from tierfs.config import Config
+from tierfs.store.paths import split_root
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -41,46 +42,56 @@ def files_list(ops: "TierOperations", with_hot: bool = False) -> list[dict]:
     return out
 
 
+def _kind_row() -> dict:
+    return {"files": 0, "hot": 0, "tiered": 0, "bytes": 0, "bytes_local": 0, "bytes_remote": 0, "backlog_files": 0,
+            "backlog_bytes": 0, "backlog_age_s": 0.0}
+
+
 def totals(eng) -> dict:
     """Per kind: every segment (hot ones without a catalog row come from the engine's last scan, so local bytes
     are what the disk holds), bytes in the object store, and the upload backlog with the age of its oldest.
-    One pass over the rows and no per-file records: `status` stays cheap with 100,000 segments."""
-    per_kind: dict[str, dict] = defaultdict(lambda: {"files": 0, "hot": 0, "tiered": 0, "bytes": 0, "bytes_local": 0,
-                                                     "bytes_remote": 0, "backlog_files": 0, "backlog_bytes": 0,
-                                                     "backlog_age_s": 0.0})
-    since: dict[str, float] = {}  # per kind: when the oldest segment waiting for upload was sealed
+    The same per store root ("/" or a store below the mount root, e.g. "slave"). One pass over the rows and no
+    per-file records: `status` stays cheap with 100,000 segments."""
+    per_kind: dict[str, dict] = defaultdict(_kind_row)
+    per_store: dict[str, dict[str, dict]] = defaultdict(lambda: defaultdict(_kind_row))
+    since: dict[tuple[str, str], float] = {}  # per (store, kind): when its oldest segment waiting was sealed
     not_sealed: dict[str, int] = {}  # hot segments by the reason they are not sealed yet
     if eng is not None:
         tiered, waiting = State.TIERED, (State.SEALED, State.UPLOADING)
         for e in list(eng.entries.values()):
-            k = per_kind[e.kind]
-            k["files"] += 1
-            k["bytes"] += e.size
-            if e.state is tiered:
-                k["tiered"] += 1
-                k["bytes_remote"] += e.size
-                k["bytes_local"] += e.resident_bytes()
-                continue
-            k["bytes_local"] += e.size
+            root = split_root(e.path)[0] or "/"
+            for k in (per_kind[e.kind], per_store[root][e.kind]):
+                k["files"] += 1
+                k["bytes"] += e.size
+                if e.state is tiered:
+                    k["tiered"] += 1
+                    k["bytes_remote"] += e.size
+                    k["bytes_local"] += e.resident_bytes()
+                    continue
+                k["bytes_local"] += e.size
+                if e.state in waiting:
+                    k["backlog_files"] += 1
+                    k["backlog_bytes"] += e.size
+                else:
+                    k["hot"] += 1
             if e.state in waiting:
-                k["backlog_files"] += 1
-                k["backlog_bytes"] += e.size
-                since[e.kind] = min(since.get(e.kind, e.state_since), e.state_since)
-            else:
-                k["hot"] += 1
+                since[(root, e.kind)] = min(since.get((root, e.kind), e.state_since), e.state_since)
         for rel, (kind, size, local, why) in list(eng.hot_segments.items()):
             why = re.sub(r"\d+", "N", why)  # one line per reason, not per size or offset
             not_sealed[why] = not_sealed.get(why, 0) + 1
             if rel not in eng.entries:
-                k = per_kind[kind]
-                k["files"] += 1
-                k["hot"] += 1
-                k["bytes"] += size
-                k["bytes_local"] += local
+                for k in (per_kind[kind], per_store[split_root(rel)[0] or "/"][kind]):
+                    k["files"] += 1
+                    k["hot"] += 1
+                    k["bytes"] += size
+                    k["bytes_local"] += local
     now = time.time()
-    for kind, t in since.items():
-        per_kind[kind]["backlog_age_s"] = round(now - t, 1)
+    for (root, kind), t in since.items():
+        age = round(now - t, 1)
+        per_store[root][kind]["backlog_age_s"] = age
+        per_kind[kind]["backlog_age_s"] = max(per_kind[kind]["backlog_age_s"], age)
     return {"per_kind": dict(per_kind),
+            "stores": {root: dict(kinds) for root, kinds in sorted(per_store.items())},
             "upload_backlog_files": sum(k["backlog_files"] for k in per_kind.values()),
             "upload_backlog_bytes": sum(k["backlog_bytes"] for k in per_kind.values()),
             "upload_backlog_age_s": round(now - min(since.values()), 1) if since else 0.0,
@@ -149,18 +160,40 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': what a person reads (status.json keeps exact byte counts)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def _scalar(key: str, value: object) -> str:
+    if "bytes" in key.split("_") and isinstance(value, int) and not isinstance(value, bool):
+        return human_bytes(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
 def render_status(d: dict) -> str:
     scalars = {k: v for k, v in d.items() if not isinstance(v, (dict, list))}
     width = max(len(k) for k in scalars)
-    out = ["tierfs status"] + [f"  {k:<{width}}  {v}" for k, v in scalars.items()]
+    out = ["tierfs status"] + [f"  {k:<{width}}  {_scalar(k, v)}" for k, v in scalars.items()]
     t = d["totals"]
-    out.append("")
-    out.append(f"  {'kind':<18}{'files':>7}{'hot':>6}{'tiered':>8}{'MiB local':>11}{'MiB remote':>12}"
-               f"{'backlog':>9}{'MiB':>9}{'oldest s':>10}")
-    for kind, k in sorted(t["per_kind"].items()):
-        out.append(f"  {kind:<18}{k['files']:>7}{k['hot']:>6}{k['tiered']:>8}{_mib(k['bytes_local']):>11}"
-                   f"{_mib(k['bytes_remote']):>12}{k['backlog_files']:>9}{_mib(k['backlog_bytes']):>9}"
-                   f"{k['backlog_age_s']:>10.1f}")
+    stores = t.get("stores") or {}
+    sections = sorted(stores.items()) if len(stores) > 1 or set(stores) - {"/"} else [("", t["per_kind"])]
+    for root, kinds in sections:
+        out.append("")
+        if root:
+            out.append(f"  store {root}" + ("" if root == "/" else "  (a store root below the mount root)"))
+        out.append(f"  {'kind':<18}{'files':>7}{'hot':>6}{'tiered':>8}{'MiB local':>11}{'MiB remote':>12}"
+                   f"{'backlog':>9}{'MiB':>9}{'oldest s':>10}")
+        for kind, k in sorted(kinds.items()):
+            out.append(f"  {kind:<18}{k['files']:>7}{k['hot']:>6}{k['tiered']:>8}{_mib(k['bytes_local']):>11}"
+                       f"{_mib(k['bytes_remote']):>12}{k['backlog_files']:>9}{_mib(k['backlog_bytes']):>9}"
+                       f"{k['backlog_age_s']:>10.1f}")
     out.append(f"  upload backlog: {t['upload_backlog_files']} files, {_mib(t['upload_backlog_bytes'])} MiB, "
                f"oldest {t['upload_backlog_age_s']} s; cache {_mib(t['cache_bytes'])} MiB")
     e = t["engine"]
@@ -188,12 +221,26 @@ def render_compaction(c: dict) -> list[str]:
     if r:
         out.append(f"  compaction: job {r['job_id']} running ({','.join(r['stages'])}, {r['trigger']}), "
                    f"{r['done']}/{r['total']} items, {r['seconds']} s")
-    for j in (c.get("last") or [])[:3]:
+    jobs = list((c.get("last") or [])[:3])
+    useful = c.get("last_useful")
+    if useful and all(j.get("job_id") != useful.get("job_id") for j in jobs):
+        jobs.append(useful)  # the newest job that changed something, however many no-op runs came after it
+    for j in jobs:
         ratio = f", ratio {j['bytes_in'] / j['bytes_out']:.2f}" if j.get("bytes_out") else ""
         state = "ok" if j.get("ok") else f"{len(j.get('errors') or [])} errors"
-        out.append(f"  compaction: job {j['job_id']} {state}: applied {j.get('applied')}{ratio}"
-                   f"{', ' + j['note'] if j.get('note') else ''}")
+        what = applied_text(j.get("applied"))
+        if j.get("note"):
+            what = j["note"] if what == "nothing applied" else f"{what}, {j['note']}"
+        out.append(f"  compaction: job {j['job_id']} {state}: {what}{ratio}")
     return out
+
+
+def applied_text(applied: dict | None) -> str:
+    """{'segments': 18, 'indexes': 10, 'archive': 4} -> '18 segments compacted, 10 index sidecars, ...'."""
+    a = applied or {}
+    parts = [f"{a[k]} {what}" for k, what in (("segments", "segments compacted"), ("indexes", "index sidecars"),
+                                              ("archive", "commitlogs archived")) if a.get(k)]
+    return ", ".join(parts) if parts else "nothing applied"
 
 
 def render_segments(ops: "TierOperations") -> str:

@@ -28,10 +28,11 @@ from typing import Callable, Iterable, Iterator, Mapping
 from tierfs.objectstore import ObjectInfo, ObjectStore
 from tierfs.store import commitlog as cl
 from tierfs.store.names import name_to_offset
+from tierfs.store.paths import split_root
 from tierfs.tier import layout
 
 __all__ = [
-    "ArchiveError", "SCHEMA_FIELDS", "arrow_schema", "archive_prefix", "archive_key", "parse_archive_key",
+    "ArchiveError", "SCHEMA_FIELDS", "arrow_schema", "archive_prefix", "archive_key", "parse_archive_key", "part_name",
     "escape_partition_value", "unescape_partition_value", "iter_messages", "retention_days", "is_expired",
     "archive_segment", "sweep",
 ]
@@ -92,6 +93,15 @@ def unescape_partition_value(text: str) -> str:
 
 
 archive_prefix = layout.archive_prefix
+
+
+def part_name(path: str) -> str:
+    """The segment's name in archive keys: its file name, prefixed with its store root when that is below the
+    mount root ('slave/commitlog/0000...' -> 'slave~0000...'), so two stores' same-named segments never share
+    (or supersede) each other's Parquet files."""
+    root, inner = split_root(path)
+    name = inner.rsplit("/", 1)[-1]
+    return f"{root.replace('/', '~')}~{name}" if root else name
 
 
 def archive_key(store_id: str, topic: str, date: str, segment_name: str, generation: int) -> str:
@@ -376,7 +386,7 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             raise
         keys, nbytes, rows = [], 0, 0
         for g in groups:
-            key = archive_key(store_id, g.topic, g.date, name, gen)
+            key = archive_key(store_id, g.topic, g.date, part_name(path), gen)
             info = store.put_file(key, g.path)
             keys.append(key)
             nbytes += info.size
@@ -396,7 +406,7 @@ class SweepResult:
 
 def plan_sweep(infos: Iterable[ObjectInfo], store_id: str, retention: Mapping[str, float], today: _dt.date,
                archived: Mapping[str, int]) -> SweepResult:
-    """Which archive objects to delete. Pure. `archived`: segment file name -> generation archived in this run.
+    """Which archive objects to delete. Pure. `archived`: part_name(path) -> generation archived in this run.
 
     A file is superseded when its segment was archived in this run under another generation (the catalog's
     generation is authoritative), so a rewritten segment never leaves duplicate rows behind.

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from tierfs import failpoints
 from tierfs.store import indexfile
+from tierfs.store.paths import Kind, classify
 
 STAGES = ("segments", "index", "archive")
 ITEMS_KEY = {"segments": "segments", "index": "indexes", "archive": "commitlogs"}
@@ -204,7 +205,7 @@ def check_item(stage: str, seg: Any) -> str | None:
             return f"segment entry field {key!r} is missing or not {what}"
     if seg["format"] not in ("raw", "lz4c"):
         return f"segment entry format {seg['format']!r} is not raw or lz4c"
-    if stage == "archive" and not seg["path"].startswith("commitlog/"):
+    if stage == "archive" and classify(seg["path"]) is not Kind.COMMITLOG:
         return f"the archive stage reads CommitLog segments only, not {seg['path']!r}"
     return None
 
@@ -453,9 +454,9 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
 def _sweep(inp: JobInput, result: dict) -> None:
     """Driver-side part of the archive stage: retention, and files of superseded generations."""
     from tierfs.objectstore import open_store
-    from tierfs.spark.archive import archive_prefix, sweep
+    from tierfs.spark.archive import archive_prefix, part_name, sweep
 
-    archived = {row["path"].rsplit("/", 1)[-1]: int(row["generation"]) for row in result["archive"]}
+    archived = {part_name(row["path"]): int(row["generation"]) for row in result["archive"]}
     try:
         store = open_store(inp.store["url"], **inp.store["options"])
         try:

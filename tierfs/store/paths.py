@@ -2,6 +2,10 @@
 
 Only segments are ever tiered. Everything else (checkpoint, lock, abort, config/**, timerwheel, RocksDB dirs)
 stays local forever. The rules are by path shape, so classification needs no I/O.
+
+A mount may hold several stores below its root (a master's and a slave's `storePathRootDir` under one mount):
+the shape is matched at the end of the path, and what comes before it is the segment's store root ("" for the
+mount root). A store root never has a segment directory name (commitlog, consumequeue, ...) as a component.
 """
 
 from __future__ import annotations
@@ -35,9 +39,24 @@ _QUEUE_LOGS = {"consumequeue": Kind.CONSUMEQUEUE, "consumequeue_ext": Kind.CONSU
                "batchconsumequeue": Kind.BATCHCONSUMEQUEUE}
 
 
-def classify(rel_path: str) -> Kind:
-    """Kind of a path relative to the store root ('commitlog/00000000000000000000' -> COMMITLOG)."""
+SEGMENT_TOPS = frozenset(("commitlog", "timerlog", "index", *_QUEUE_LOGS))
+
+
+def _root_ok(parts: list[str]) -> bool:
+    return all(p and p not in SEGMENT_TOPS and not p.startswith(".") for p in parts)
+
+
+def split_root(rel_path: str) -> tuple[str, str]:
+    """(store root, path inside that store) of a segment path: 'slave/commitlog/0000...' -> ('slave',
+    'commitlog/0000...'); ('', rel_path) for anything that is not a segment below a sub-root."""
     parts = rel_path.split("/")
+    for depth in (4, 2):  # queue logs first: a topic may be named like a log dir
+        if len(parts) > depth and _classify_tail(parts[-depth:]) is not Kind.MUTABLE and _root_ok(parts[:-depth]):
+            return "/".join(parts[:-depth]), "/".join(parts[-depth:])
+    return "", rel_path
+
+
+def _classify_tail(parts: list[str]) -> Kind:
     name = parts[-1]
     if len(parts) == 2:
         top = parts[0]
@@ -48,6 +67,21 @@ def classify(rel_path: str) -> Kind:
     elif (len(parts) == 4 and parts[0] in _QUEUE_LOGS and _QUEUE_ID.fullmatch(parts[2]) and _OFFSET.fullmatch(name)
           and parts[1] and not _BAD_TOPIC.search(parts[1])):
         return _QUEUE_LOGS[parts[0]]
+    return Kind.MUTABLE
+
+
+def classify(rel_path: str) -> Kind:
+    """Kind of a path relative to the mount root ('commitlog/00000000000000000000' -> COMMITLOG, and so is
+    'slave/commitlog/00000000000000000000': a store whose root is below the mount's)."""
+    parts = rel_path.split("/")
+    kind = _classify_tail(parts)
+    if kind is not Kind.MUTABLE or len(parts) <= 2:
+        return kind
+    for depth in (4, 2):
+        if len(parts) > depth and _root_ok(parts[:-depth]):
+            kind = _classify_tail(parts[-depth:])
+            if kind is not Kind.MUTABLE:
+                return kind
     return Kind.MUTABLE
 
 

@@ -78,9 +78,10 @@ def request_job(state_dir: Path, stages: list[str], spark: dict[str, str], min_a
     """What `tierfs compact` does: queue a request the daemon picks up within a second; returns the job id."""
     job_id = new_job_id()
     d = requests_dir(state_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    for part in (d.parent, d):  # private like the rest of the state dir, whatever the caller's umask
+        part.mkdir(mode=0o700, exist_ok=True)
     write_json_atomic(d / f"{job_id}.json", {"job_id": job_id, "stages": stages, "spark": spark,
-                                              "min_age_seconds": min_age_seconds})
+                                              "min_age_seconds": min_age_seconds}, mode=0o600)
     return job_id
 
 
@@ -251,7 +252,7 @@ class Compactor:
     def _command(self, d: Path) -> list[str]:
         submit = self.config["compaction.spark_submit"]
         if not submit:
-            return [sys.executable, "-m", "tierfs.spark", "--job-dir", str(d)]
+            return [sys.executable, "-P", "-m", "tierfs.spark", "--job-dir", str(d)]  # -P: no cwd on sys.path
         main = Path(__file__).resolve().parent.parent / "spark" / "__main__.py"
         return [submit, "--master", self.config["spark.master"], str(main), "--job-dir", str(d)]
 
@@ -265,7 +266,7 @@ class Compactor:
             env["TIERFS_FAILPOINTS"] = os.environ["TIERFS_JOB_FAILPOINTS"]
         with open(d / "job.log", "ab") as logf:
             proc = await trio.lowlevel.open_process(self._command(d), stdin=subprocess.DEVNULL, stdout=logf,
-                                                    stderr=logf, env=env, start_new_session=True)
+                                                    stderr=logf, env=env, start_new_session=True, cwd=d)
             try:
                 return await proc.wait()
             finally:
@@ -368,17 +369,38 @@ class Compactor:
             done, total = progress_counts(j.dir)
             out["running"] = {"job_id": j.job_id, "stages": j.stages, "trigger": j.trigger,
                               "seconds": round(time.time() - j.started, 1), "done": done, "total": total}
-        for d in sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)[:5]:
+        done = sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)
+        for d in done[:5]:
             try:
                 out["last"].append(json.loads((d / "applied.json").read_text()))
             except (OSError, ValueError):
                 continue
+        useful = _last_useful(done)
+        if useful is not None:
+            out["last_useful"] = useful
         return out
 
     def _prune(self) -> None:
+        """Keep the newest KEEP_JOB_DIRS jobs, and the newest one that applied something (scheduled runs with
+        nothing to do must not push the last real result out of `status`)."""
         dirs = sorted(p for p in self.jobs.glob("*") if (p / "applied.json").exists())
+        useful = _last_useful(dirs[::-1])
+        keep = useful["job_id"] if useful else None
         for d in dirs[:-KEEP_JOB_DIRS]:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.name != keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _last_useful(newest_first: list[Path]) -> dict | None:
+    """The summary of the newest job that applied anything (or failed), from job dirs newest first."""
+    for d in newest_first:
+        try:
+            s = json.loads((d / "applied.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if any((s.get("applied") or {}).values()) or not s.get("ok", True):
+            return s
+    return None
 
 
 def progress_counts(d: Path) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from tierfs.config import Config
 from tierfs.objectstore import ObjectStore, open_store
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.paths import Kind, classify
+from tierfs.tier.storeroots import segment_dirs
 from tierfs.store.seal import SealParams, is_sealed
 from tierfs.tier import layout
 from tierfs.tier import lz4c
@@ -54,7 +55,6 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-SEGMENT_DIRS = ("commitlog", "consumequeue", "batchconsumequeue", "index", "timerlog")
 _SEAL_BATCH = 512  # candidates probed per worker-thread hop, and sealed per catalog transaction
 _UPLOAD_BATCH = 64  # small segments (one block or less) uploaded together and committed in one transaction
 _EVICT_BATCH = 256  # segments whose residency is made durable in one transaction before their punches
@@ -600,7 +600,7 @@ class Engine:
         usage: dict[str, tuple[str, int, int, str]] = {}
         entries, unsealed, write_seq = self.entries, self._unsealed, self.write_seq
         hot = str(self.hot)
-        stack = list(SEGMENT_DIRS)
+        stack = segment_dirs(hot, self.config["store.roots"])  # every store root below the mount's too
         while stack:
             d = stack.pop()
             try:

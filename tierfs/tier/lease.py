@@ -168,10 +168,13 @@ class WriterLease:
             started = time.monotonic()
             rec = self._record(epoch, now, now, now + self.ttl)
             if self.store.put_if_absent(lease_key(self.store_id, epoch), rec.encode()):
+                ours_lapsed = cur is not None and (cur.holder, cur.epoch, cur.pid) == (self.id, self.epoch, self.pid)
                 self._took(rec, started)
                 if cur is not None:
                     how = ("released" if cur.expires_at == 0 else
-                           "our own, left by a crash" if cur.holder == self.id else "expired")
+                           "ours, lapsed while it could not be renewed" if ours_lapsed else
+                           "our hot dir's, left by an earlier daemon that did not release it (a crash)"
+                           if cur.holder == self.id else "expired")
                     log.info("writer lease epoch %d taken over from epoch %d (%s; holder was %s:%s pid %d)",
                              epoch, cur.epoch, how, cur.host, cur.hot_dir, cur.pid)
                 else:

@@ -1,0 +1,96 @@
+"""The hot dir as the FUSE front touches it: every call relative to one directory fd (the *at syscalls).
+
+A path through the mount is shorter than PATH_MAX, but the same path under a hot dir whose own path is longer
+than the mountpoint's would not be: prefixing the hot dir made such operations fail with ENAMETOOLONG where the
+native filesystem succeeds. Working relative to an fd of the hot dir keeps every syscall's path exactly as long
+as the path the caller used below the mountpoint. (It also keeps serving the same directory if the hot dir's
+path is renamed while mounted.)
+
+Paths are the mount-relative paths of the inode table: "" is the hot dir itself, never with a leading "/".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+
+
+def _at(rel: str) -> str:
+    return rel or "."
+
+
+class HotDir:
+    """Relative access to the hot dir through an O_PATH directory fd held for the daemon's life."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def lstat(self, rel: str) -> os.stat_result:
+        return os.stat(_at(rel), dir_fd=self.fd, follow_symlinks=False)
+
+    def open(self, rel: str, flags: int, mode: int = 0o777) -> int:
+        return os.open(_at(rel), flags, mode, dir_fd=self.fd)
+
+    def open_dir(self, rel: str) -> int:
+        return os.open(_at(rel), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
+
+    def listdir(self, rel: str) -> list[str]:
+        fd = self.open_dir(rel)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def mkdir(self, rel: str, mode: int) -> None:
+        os.mkdir(rel, mode, dir_fd=self.fd)
+
+    def mknod(self, rel: str, mode: int, device: int) -> None:
+        os.mknod(rel, mode, device, dir_fd=self.fd)
+
+    def symlink(self, target: str, rel: str) -> None:
+        os.symlink(target, rel, dir_fd=self.fd)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, rel: str) -> None:
+        os.unlink(rel, dir_fd=self.fd)
+
+    def rmdir(self, rel: str) -> None:
+        os.rmdir(rel, dir_fd=self.fd)
+
+    def rename(self, old: str, new: str, flags: int = 0) -> None:
+        """rename, or renameat2 with RENAME_NOREPLACE / RENAME_EXCHANGE flags."""
+        if not flags:
+            os.rename(old, new, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            return
+        if _libc.renameat2(self.fd, os.fsencode(old), self.fd, os.fsencode(new), flags) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), old, None, new)
+
+    def chmod(self, rel: str, mode: int) -> None:
+        os.chmod(_at(rel), mode, dir_fd=self.fd)
+
+    def lchown(self, rel: str, uid: int, gid: int) -> None:
+        os.chown(_at(rel), uid, gid, dir_fd=self.fd, follow_symlinks=False)
+
+    def utime(self, rel: str, ns: tuple[int, int]) -> None:
+        os.utime(_at(rel), ns=ns, dir_fd=self.fd, follow_symlinks=False)
+
+    def readlink(self, rel: str) -> str:
+        return os.readlink(rel, dir_fd=self.fd)
+
+    def truncate(self, rel: str, size: int) -> None:
+        """truncate(2) has no *at form: open for writing (what truncate checks too), ftruncate, close."""
+        fd = os.open(_at(rel), os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
