@@ -330,6 +330,9 @@ def start_session(inp: JobInput):
     """SparkSession for the job (executors use this same Python unless PYSPARK_PYTHON says otherwise)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    executor_python = inp.spark.get("spark.pyspark.python")
+    if executor_python:  # what spark-submit does with this key: PySpark takes the executors' Python from the env
+        os.environ["PYSPARK_PYTHON"] = executor_python
     if is_local_master(inp.master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     (inp.job_dir / LOG4J).write_text(_LOG4J_TEXT)
