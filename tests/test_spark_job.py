@@ -234,6 +234,27 @@ def check_sweep(store: ObjectStore, result: dict, seeded: dict[str, str]) -> Non
         assert store.exists(key) == (name not in ("expired", "expired_edge", "superseded")), name
 
 
+def check_archive_in_place(root: str, rows: int, want_offsets: set[int], filesystem=None, duckdb_too: bool = True
+                           ) -> None:
+    """The archive directory (posix) or prefix (S3) read as it lies, by pyarrow and DuckDB: plain Parquet files.
+
+    Files that are not Parquet (the seeded README) are skipped the way a user would: by name or by validity."""
+    import pyarrow.dataset as ds
+
+    dset = ds.dataset(root, format="parquet", partitioning="hive", filesystem=filesystem, exclude_invalid_files=True)
+    table = dset.to_table(columns=["phys_offset", "topic", "date"])
+    assert table.num_rows == rows and set(table.column("phys_offset").to_pylist()) == want_offsets
+    assert {t for t in table.column("topic").to_pylist()} >= {f"{TOPIC_PREFIX}0", f"{TOPIC_PREFIX}1"}
+    if duckdb_too:
+        import duckdb
+
+        con = duckdb.connect()
+        got = con.execute(f"SELECT count(*), count(DISTINCT phys_offset), min(phys_offset), max(phys_offset) FROM "
+                         f"read_parquet('{root}/**/*.parquet', hive_partitioning = true)").fetchall()[0]
+        con.close()
+        assert got == (rows, len(want_offsets), min(want_offsets), max(want_offsets))
+
+
 def check_progress(job_dir: Path, stages: dict[str, list[dict]], result: dict) -> None:
     lines = progress(job_dir)
     for stage, items in stages.items():
@@ -410,6 +431,8 @@ def test_posix_job_all_stages_then_query_the_archive(native, tmp_path):
     objects = tmp_path / "objects"
     store = open_store(f"file://{objects}")
     run_full_job(tmp_path, native, store, {"url": f"file://{objects}", "options": {}})
+    msgs = messages(native, sealed(native)["commitlog"])
+    check_archive_in_place(str(objects / ar.archive_prefix(STORE_ID)), len(msgs), set(msgs))
     # examples/archive_query.py: Spark SQL over the archive agrees with the codec's count per topic and date
     want: dict[tuple[str, str], int] = {}
     for m in messages(native, sealed(native)["commitlog"]).values():
@@ -431,6 +454,14 @@ def test_s3_job_all_stages_with_crashing_workers(native, tmp_path, rgw):
                                                      "addressing": "path", "max_attempts": 2}}
     store = open_store(spec["url"], **spec["options"])
     job, _, _ = run_full_job(tmp_path, native, store, spec, crash_index=True)
+    from pyarrow.fs import S3FileSystem
+
+    host = rgw.endpoint_url.split("://", 1)[1]
+    fs = S3FileSystem(access_key=rgw.access_key, secret_key=rgw.secret_key, endpoint_override=host, scheme="http",
+                      region=rgw.region)
+    msgs = messages(native, sealed(native)["commitlog"])
+    check_archive_in_place(f"{bucket}/t/{ar.archive_prefix(STORE_ID)}".rstrip("/"), len(msgs), set(msgs), fs,
+                           duckdb_too=False)  # DuckDB reads S3 through its httpfs extension, a download
     assert rgw.secret_key not in (job / "progress.jsonl").read_text() + (job / "result.json").read_text()
 
 
