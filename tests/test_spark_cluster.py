@@ -89,9 +89,19 @@ def test_compact_on_cluster_posix_shared_is_byte_identical(mount_store, referenc
                                                            local_outputs):
     m = tiered_store(mount_store, reference_store,
                      f"{PIPE_OPTS},objectstore.posix_shared=true,{cluster_opts(spark_cluster, master=False)}")
-    summary = compact(m, "--master", spark_cluster.url)
-    assert summary["ok"], summary
-    assert summary["applied"]["segments"] == sum(k.startswith("lz4c ") for k in local_outputs)
+    # not a terminal: progress comes as lines, per stage, tasks done / total as the cluster finishes them
+    r = subprocess.run([sys.executable, "-m", "tierfs", "compact", str(m.mnt), "--master", spark_cluster.url],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and ": ok" in r.stdout.splitlines()[0], (r.stdout, r.stderr, m.log_text()[-3000:])
+    summary = status(m)["compaction"]["last"][0]
+    n = sum(k.startswith("lz4c ") for k in local_outputs)
+    assert summary["ok"] and summary["applied"]["segments"] == n, summary
+    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("tierfs: ")]
+    for stage in ("segments", "index", "archive"):
+        mine = [ln for ln in progress if ln.startswith(f"tierfs: {stage}: ")]
+        assert mine[0].startswith(f"tierfs: {stage}: 0/") and mine[-1].endswith(" tasks done"), progress
+        done, total = mine[-1].split(": ")[2].split()[0].split("/")
+        assert done == total != "0", progress
     assert_same_outputs(outputs(m, posix_store(m)), local_outputs)
     # the executors fetched the shipped package: the cluster's Python could not have imported tierfs otherwise
     assert list(spark_cluster.root.glob("worker*/app-*/*/tierfs-package.zip"))
