@@ -353,6 +353,22 @@ def test_retention_boundaries():
     assert not ar.is_expired(dt.date(2000, 1, 1), 1e9, today)
 
 
+def test_column_wise_properties_match_the_broker_decoder(tmp_path):
+    """KEYS, TAGS and the properties map parsed column-wise by Arrow equal MessageDecoder's rules (the codec's
+    string_to_properties): empty names or values dropped, the last of a name wins, with or without the trailing
+    separator, a value holding NAME_VALUE_SEPARATOR, unicode, and KEYS tokens split on single spaces."""
+    raws = ["", "\x02", "KEYS\x01k1 k2\x02TAGS\x01t\x02", "KEYS\x01 a  b \x02TAGS\x01x\x02TAGS\x01y",
+            "\x01v\x02n\x01\x02KEYS\x01\x02TAGS\x01\x02", "A\x01b\x01c\x02\x02\x02B\x01\u00fc\u20ac",
+            "KEYS\x01one\x02KEYS\x01two three\x02KEYS\x01\x02", "novalue\x02=\x01=\x02", "TAGS\x01a\x02b"]
+    w = ar._Writer(str(tmp_path))
+    props, keys, tags = w._property_columns(raws)
+    for raw, p, k, t in zip(raws, props.to_pylist(), keys.to_pylist(), tags.to_pylist()):
+        want = cl.string_to_properties(raw)
+        assert dict(p) == want, raw
+        m = cl.Message(topic="T", properties=want)
+        assert (k, t) == (m.keys, m.tags), raw
+
+
 def test_decoder_refuses_what_is_not_a_sealed_segment(native):
     rel = sealed(native)["commitlog"][0]
     data = bytearray((native / rel).read_bytes())
