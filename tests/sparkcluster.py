@@ -170,22 +170,32 @@ class SparkCluster:
         st = self.state() or {}
         return sum(w.get("state") == "ALIVE" for w in st.get("workers", []))
 
-    def executor_pids(self, i: int) -> list[int]:
-        """PIDs of worker i's executor JVMs (its children running CoarseGrainedExecutorBackend)."""
-        w = self.workers[i]
-        out = []
+    def python_workers(self) -> list[str]:
+        """argv[0] of every PySpark Python process (pyspark.daemon and its forked workers) descending from the
+        workers (the daemon puts itself in a process group of its own, so parents are followed)."""
+        parent: dict[int, int] = {}
+        argvs: dict[int, list[bytes]] = {}
         for p in os.listdir("/proc"):
             if not p.isdigit():
                 continue
             try:
-                if os.getpgid(int(p)) != w.proc.pid:
-                    continue
-                cmd = Path(f"/proc/{p}/cmdline").read_bytes()
-            except OSError:
+                parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                argvs[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
                 continue
-            if b"CoarseGrainedExecutorBackend" in cmd:
-                out.append(int(p))
-        return out
+        roots = {w.proc.pid for w in self.workers if w.proc is not None}
+
+        def under_worker(pid: int) -> bool:
+            for _ in range(64):
+                if pid in roots:
+                    return True
+                pid = parent.get(pid, 0)
+                if pid <= 1:
+                    return False
+            return False
+
+        return [argv[0].decode() for pid, argv in argvs.items()
+                if (b"pyspark.daemon" in argv or b"pyspark.worker" in argv) and under_worker(pid)]
 
     def wait(self, pred, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -153,6 +153,9 @@ def test_worker_killed_mid_job_loses_and_duplicates_nothing(mount_store, referen
             return False
 
         wait_for(segments_started, timeout=120, interval=0.05, what="the first compacted segment")
+        # the executors' Python is the cluster's own (no tierfs): spark.pyspark.python reached them
+        pythons = spark_cluster.python_workers()
+        assert pythons and set(pythons) == {str(spark_cluster.worker_python)}, pythons
         running = status(m)["compaction"]["running"]
         assert running["stage"] == "segments" and running["progress"]["segments"]["total"] > 1, running
         text = (m.ctl / "status").read_text()
