@@ -89,7 +89,7 @@ def test_compact_on_cluster_posix_shared_is_byte_identical(mount_store, referenc
                                                            local_outputs):
     m = tiered_store(mount_store, reference_store,
                      f"{PIPE_OPTS},objectstore.posix_shared=true,{cluster_opts(spark_cluster, master=False)}")
-    # not a terminal: progress comes as lines, per stage, tasks done / total as the cluster finishes them
+    # not a terminal: progress comes as lines, per stage, segments done / total as the cluster finishes them
     r = subprocess.run([sys.executable, "-m", "tierfs", "compact", str(m.mnt), "--master", spark_cluster.url],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and ": ok" in r.stdout.splitlines()[0], (r.stdout, r.stderr, m.log_text()[-3000:])
@@ -99,7 +99,7 @@ def test_compact_on_cluster_posix_shared_is_byte_identical(mount_store, referenc
     progress = [ln for ln in r.stderr.splitlines() if ln.startswith("tierfs: ")]
     for stage in ("segments", "index", "archive"):
         mine = [ln for ln in progress if ln.startswith(f"tierfs: {stage}: ")]
-        assert mine[0].startswith(f"tierfs: {stage}: 0/") and mine[-1].endswith(" tasks done"), progress
+        assert mine[0].startswith(f"tierfs: {stage}: 0/") and mine[-1].endswith(" segments done"), progress
         done, total = mine[-1].split(": ")[2].split()[0].split("/")
         assert done == total != "0", progress
     assert_same_outputs(outputs(m, posix_store(m)), local_outputs)
@@ -159,7 +159,7 @@ def test_worker_killed_mid_job_loses_and_duplicates_nothing(mount_store, referen
         running = status(m)["compaction"]["running"]
         assert running["stage"] == "segments" and running["progress"]["segments"]["total"] > 1, running
         text = (m.ctl / "status").read_text()
-        assert "stage segments: " in text and "tasks done" in text, text
+        assert "stage segments: " in text and "segments done" in text, text
         spark_cluster.workers[0].kill(signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:

@@ -341,6 +341,18 @@ def test_partition_escaping_and_keys_round_trip():
         assert ar.parse_archive_key("sid", junk) is None
 
 
+def test_segments_are_grouped_into_tasks_of_a_sensible_size():
+    from tierfs.spark.job import TASK_BYTES, plan_tasks
+
+    gib, mib = 1 << 30, 1 << 20
+    assert plan_tasks([gib] * 3, 2) == [[0], [1], [2]]  # big segments: a task each
+    assert plan_tasks([], 4) == []
+    small = plan_tasks([6 * mib] * 40, 2)  # ConsumeQueue-sized files share tasks, still 2 or more per core
+    assert sorted(i for t in small for i in t) == list(range(40)) and 4 <= len(small) <= 5
+    mixed = plan_tasks([gib] + [mib] * 300 + [gib], 2)
+    assert mixed[0] == [0] and mixed[-1] == [301] and all(len(t) * mib <= TASK_BYTES for t in mixed[1:-1])
+
+
 def test_retention_boundaries():
     today = dt.date(2026, 11, 21)
     assert not ar.is_expired(dt.date(2026, 11, 14), 7, today)  # today and the 7 dates before it are kept

@@ -125,7 +125,7 @@ class _Bars(ProgressView):
     def start(self, stage: str, total: int) -> None:
         from tqdm import tqdm
 
-        self.bars[stage] = tqdm(total=total, desc=f"{stage:<8}", unit="task", file=sys.stderr, leave=True)
+        self.bars[stage] = tqdm(total=total, desc=f"{stage:<8}", unit="seg", file=sys.stderr, leave=True)
 
     def item(self, stage: str, rec: dict) -> None:
         bar = self.bars.get(stage)
@@ -149,7 +149,7 @@ class _Lines(ProgressView):
 
     def _line(self, stage: str) -> None:
         done, failed, total = self.counts[stage]
-        print(f"tierfs: {stage}: {done}/{total} tasks done" + (f", {failed} failed" if failed else ""),
+        print(f"tierfs: {stage}: {done}/{total} segments done" + (f", {failed} failed" if failed else ""),
               file=sys.stderr, flush=True)
         self.last = time.monotonic()
 

@@ -166,7 +166,7 @@ def render_compaction(c: dict) -> list[str]:
                    f"{r['done']}/{r['total']} items, {r['seconds']} s")
         for stage, p in (r.get("progress") or {}).items():
             mark = " <- running" if stage == r.get("stage") and p["done"] < p["total"] else ""
-            out.append(f"    stage {stage}: {p['done']}/{p['total']} tasks done, {p['failed']} failed{mark}")
+            out.append(f"    stage {stage}: {p['done']}/{p['total']} segments done, {p['failed']} failed{mark}")
     for j in (c.get("last") or [])[:3]:
         ratio = f", ratio {j['bytes_in'] / j['bytes_out']:.2f}" if j.get("bytes_out") else ""
         state = "ok" if j.get("ok") else f"{len(j.get('errors') or [])} errors"
