@@ -13,15 +13,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from mountutil import FUSE_SKIP_REASON, Mount, wait_for
 from sparkcluster import SparkCluster, spark_cluster  # noqa: F401 (the fixture)
 from test_compaction import PIPE_OPTS, compact, tiered_store
-from test_tiering import assert_same_bytes, reference_store, s3_opts, segments, status  # noqa: F401
+from test_tiering import assert_same_bytes, copy_in, reference_store, s3_opts, segments, status  # noqa: F401
 from tierfs.objectstore import ObjectStore, open_store
 
 pytestmark = pytest.mark.skipif(FUSE_SKIP_REASON is not None, reason=FUSE_SKIP_REASON or "")
@@ -114,8 +112,6 @@ def test_scheduled_job_on_cluster_s3_is_byte_identical(mount_store, reference_st
     opts = s3_opts(rgw, bucket, ",compaction.enabled=true,compaction.interval_seconds=12,"
                                f"compaction.min_age_seconds=0,{cluster_opts(spark_cluster)}")
     m = mount_store(options=[opts])
-    from test_tiering import copy_in
-
     copy_in(reference_store, m.mnt)
     want = sum(k.startswith("lz4c ") for k in local_outputs)
 
