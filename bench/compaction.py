@@ -604,7 +604,7 @@ def query_round(mnt: C.TierfsMount, state: Path, keys: list[tuple[IndexInfo, str
     out = []
     try:
         if not sidecars:
-            pipeline_cli._sidecars = lambda _state, _rel: pipeline_cli.Sidecars({}, None)
+            pipeline_cli._sidecars = lambda _state, _rel: pipeline_cli.Sidecars({}, {}, None)
         for _, key in keys:
             wait_evicted(mnt, index_rels, fmt="lz4c")
             e0 = engine(mnt)

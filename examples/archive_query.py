@@ -11,11 +11,11 @@ Commands: ``counts`` (messages and body bytes per topic and date), ``key KEY`` (
 ``sql QUERY`` (any query over the view ``archive``: the Parquet columns plus the partition columns ``topic`` and
 ``date``). ``--json`` prints one JSON object per result row instead of a table.
 
-The partitions selected by ``--topic``/``--since``/``--until`` are copied into a temporary Hive-style directory
-first and Spark reads that: objects are fetched through the tierfs ObjectStore interface (boto3 for s3://, as
-there are no s3a jars in a pip-installed PySpark), and the posix store cannot be read in place either, because
-each of its objects carries a metadata trailer after the content, which Parquet readers (footer at the end of
-the file) do not expect.
+The archive is plain Parquet on every backend. A file:// store is read in place: Spark gets the selected files
+under ``<store>/<store-id>/archive/`` directly. From s3:// the partitions selected by ``--topic``/``--since``/
+``--until`` are copied into a temporary Hive-style directory first, through the tierfs ObjectStore interface
+(boto3), as a pip-installed PySpark has no s3a jars; a Spark with hadoop-aws reads ``s3a://BUCKET/PREFIX/<store-id>
+/archive/`` in place just as well.
 """
 
 from __future__ import annotations
@@ -58,20 +58,26 @@ logger.nativeloader.level = error
 
 
 def fetch_partitions(store: ObjectStore, store_id: str, dest: Path, topics: set[str], since: dt.date | None,
-                     until: dt.date | None) -> tuple[int, int]:
-    """Copy the matching archive files into dest/topic=../date=../ ; returns (files, bytes)."""
-    files = nbytes = 0
+                     until: dt.date | None) -> tuple[list[str], int]:
+    """The matching archive files: in place for a posix store, else copied into dest/topic=../date=../;
+    returns (file paths, bytes)."""
+    files: list[str] = []
+    nbytes = 0
+    root = getattr(store, "root", None)  # the posix store: its archive files are plain Parquet files
     for info in store.list(archive_prefix(store_id)):
         k = parse_archive_key(store_id, info.key)
         if k is None or (topics and k.topic not in topics) or (since and k.date < since) or (until and k.date > until):
+            continue
+        nbytes += info.size
+        if root is not None:
+            files.append(os.path.join(root, info.key))
             continue
         out = dest / f"topic={escape_partition_value(k.topic)}" / f"date={k.date.isoformat()}" / info.key.rsplit("/", 1)[1]
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
             for off in range(0, info.size, COPY_PIECE):
                 f.write(store.get_range(info.key, off, min(COPY_PIECE, info.size - off)))
-        files += 1
-        nbytes += info.size
+        files.append(str(out))
     return files, nbytes
 
 
@@ -124,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-query-") as tmp_s:
         tmp = Path(tmp_s)
         data = tmp / "archive"
+        root = getattr(store, "root", None)
+        base = os.path.join(root, archive_prefix(a.store_id)) if root is not None else str(data)
         files, nbytes = fetch_partitions(store, a.store_id, data, set(a.topic), a.since, a.until)
         store.close()
         if not files:
             print(f"archive_query: no archive files under {a.store}/{archive_prefix(a.store_id)} match the filters",
                   file=sys.stderr)
             return 1
-        print(f"archive_query: {files} files, {nbytes} bytes", file=sys.stderr)
+        print(f"archive_query: {len(files)} files, {nbytes} bytes{' (in place)' if root else ''}", file=sys.stderr)
         spark = spark_session(a.master, tmp)
         try:
-            spark.read.option("basePath", str(data)).parquet(str(data)).createOrReplaceTempView("archive")
+            spark.read.option("basePath", base).parquet(*files).createOrReplaceTempView("archive")
             if a.cmd == "sql":
                 df = spark.sql(a.query)
             elif a.cmd == "key":

@@ -265,6 +265,28 @@ def test_posix_put_file_rejects_wrong_crc(tmp_path, big_file):
     assert list(s.list_multipart_uploads()) == []  # no temp file left behind
 
 
+def test_posix_parquet_objects_are_plain_files(tmp_path, big_file):
+    """Archive files (.parquet) are the bare content on disk, so other tools read the store in place."""
+    s = PosixObjectStore(str(tmp_path / "st"))
+    data = b"PAR1" + bytes(range(256)) * 40 + b"PAR1"
+    info = s.put("a/archive/topic=T/date=2026-01-01/part-0-g0.parquet", data)
+    assert (tmp_path / "st/a/archive/topic=T/date=2026-01-01/part-0-g0.parquet").read_bytes() == data
+    assert info.size == len(data) and info.metadata == {}
+    head = s.head("a/archive/topic=T/date=2026-01-01/part-0-g0.parquet")
+    assert (head.size, head.etag, head.metadata) == (len(data), info.etag, {})
+    assert s.get_range("a/archive/topic=T/date=2026-01-01/part-0-g0.parquet", len(data) - 4, 4) == b"PAR1"
+    with open(big_file, "rb") as f:
+        want = f.read(8192)
+    s.put_file("a/archive/x.parquet", big_file, 0, 8192)
+    assert (tmp_path / "st/a/archive/x.parquet").read_bytes() == s.get("a/archive/x.parquet") == want
+    s.put("a/other", b"z")  # everything else keeps its trailer
+    assert (tmp_path / "st/a/other").stat().st_size > 1
+    assert [(i.key, i.size) for i in s.list("a/")] == [("a/archive/topic=T/date=2026-01-01/part-0-g0.parquet",
+                                                       len(data)), ("a/archive/x.parquet", 8192), ("a/other", 1)]
+    s.delete_many(["a/archive/x.parquet"])
+    assert s.head("a/archive/x.parquet") is None
+
+
 # ------------------------------------------------------------------------------------------------ put_if_absent
 
 

@@ -234,6 +234,27 @@ def check_sweep(store: ObjectStore, result: dict, seeded: dict[str, str]) -> Non
         assert store.exists(key) == (name not in ("expired", "expired_edge", "superseded")), name
 
 
+def check_archive_in_place(root: str, rows: int, want_offsets: set[int], filesystem=None, duckdb_too: bool = True
+                           ) -> None:
+    """The archive directory (posix) or prefix (S3) read as it lies, by pyarrow and DuckDB: plain Parquet files.
+
+    Files that are not Parquet (the seeded README) are skipped the way a user would: by name or by validity."""
+    import pyarrow.dataset as ds
+
+    dset = ds.dataset(root, format="parquet", partitioning="hive", filesystem=filesystem, exclude_invalid_files=True)
+    table = dset.to_table(columns=["phys_offset", "topic", "date"])
+    assert table.num_rows == rows and set(table.column("phys_offset").to_pylist()) == want_offsets
+    assert {t for t in table.column("topic").to_pylist()} >= {f"{TOPIC_PREFIX}0", f"{TOPIC_PREFIX}1"}
+    if duckdb_too:
+        import duckdb
+
+        con = duckdb.connect()
+        got = con.execute(f"SELECT count(*), count(DISTINCT phys_offset), min(phys_offset), max(phys_offset) FROM "
+                         f"read_parquet('{root}/**/*.parquet', hive_partitioning = true)").fetchall()[0]
+        con.close()
+        assert got == (rows, len(want_offsets), min(want_offsets), max(want_offsets))
+
+
 def check_progress(job_dir: Path, stages: dict[str, list[dict]], result: dict) -> None:
     lines = progress(job_dir)
     for stage, items in stages.items():
@@ -320,6 +341,18 @@ def test_partition_escaping_and_keys_round_trip():
         assert ar.parse_archive_key("sid", junk) is None
 
 
+def test_segments_are_grouped_into_tasks_of_a_sensible_size():
+    from tierfs.spark.job import TASK_BYTES, plan_tasks
+
+    gib, mib = 1 << 30, 1 << 20
+    assert plan_tasks([gib] * 3, 2) == [[0], [1], [2]]  # big segments: a task each
+    assert plan_tasks([], 4) == []
+    small = plan_tasks([6 * mib] * 40, 2)  # ConsumeQueue-sized files share tasks, still 2 or more per core
+    assert sorted(i for t in small for i in t) == list(range(40)) and 4 <= len(small) <= 5
+    mixed = plan_tasks([gib] + [mib] * 300 + [gib], 2)
+    assert mixed[0] == [0] and mixed[-1] == [301] and all(len(t) * mib <= TASK_BYTES for t in mixed[1:-1])
+
+
 def test_retention_boundaries():
     today = dt.date(2026, 11, 21)
     assert not ar.is_expired(dt.date(2026, 11, 14), 7, today)  # today and the 7 dates before it are kept
@@ -330,6 +363,22 @@ def test_retention_boundaries():
     assert ar.retention_days({"*": 3, "A": 9}, "A") == 9 and ar.retention_days({"*": 3}, "B") == 3
     assert ar.retention_days({"A": 9}, "B") is None
     assert not ar.is_expired(dt.date(2000, 1, 1), 1e9, today)
+
+
+def test_column_wise_properties_match_the_broker_decoder(tmp_path):
+    """KEYS, TAGS and the properties map parsed column-wise by Arrow equal MessageDecoder's rules (the codec's
+    string_to_properties): empty names or values dropped, the last of a name wins, with or without the trailing
+    separator, a value holding NAME_VALUE_SEPARATOR, unicode, and KEYS tokens split on single spaces."""
+    raws = ["", "\x02", "KEYS\x01k1 k2\x02TAGS\x01t\x02", "KEYS\x01 a  b \x02TAGS\x01x\x02TAGS\x01y",
+            "\x01v\x02n\x01\x02KEYS\x01\x02TAGS\x01\x02", "A\x01b\x01c\x02\x02\x02B\x01\u00fc\u20ac",
+            "KEYS\x01one\x02KEYS\x01two three\x02KEYS\x01\x02", "novalue\x02=\x01=\x02", "TAGS\x01a\x02b"]
+    w = ar._Writer(str(tmp_path))
+    props, keys, tags = w._property_columns(raws)
+    for raw, p, k, t in zip(raws, props.to_pylist(), keys.to_pylist(), tags.to_pylist()):
+        want = cl.string_to_properties(raw)
+        assert dict(p) == want, raw
+        m = cl.Message(topic="T", properties=want)
+        assert (k, t) == (m.keys, m.tags), raw
 
 
 def test_decoder_refuses_what_is_not_a_sealed_segment(native):
@@ -410,6 +459,8 @@ def test_posix_job_all_stages_then_query_the_archive(native, tmp_path):
     objects = tmp_path / "objects"
     store = open_store(f"file://{objects}")
     run_full_job(tmp_path, native, store, {"url": f"file://{objects}", "options": {}})
+    msgs = messages(native, sealed(native)["commitlog"])
+    check_archive_in_place(str(objects / ar.archive_prefix(STORE_ID)), len(msgs), set(msgs))
     # examples/archive_query.py: Spark SQL over the archive agrees with the codec's count per topic and date
     want: dict[tuple[str, str], int] = {}
     for m in messages(native, sealed(native)["commitlog"]).values():
@@ -431,6 +482,14 @@ def test_s3_job_all_stages_with_crashing_workers(native, tmp_path, rgw):
                                                      "addressing": "path", "max_attempts": 2}}
     store = open_store(spec["url"], **spec["options"])
     job, _, _ = run_full_job(tmp_path, native, store, spec, crash_index=True)
+    from pyarrow.fs import S3FileSystem
+
+    host = rgw.endpoint_url.split("://", 1)[1]
+    fs = S3FileSystem(access_key=rgw.access_key, secret_key=rgw.secret_key, endpoint_override=host, scheme="http",
+                      region=rgw.region)
+    msgs = messages(native, sealed(native)["commitlog"])
+    check_archive_in_place(f"{bucket}/t/{ar.archive_prefix(STORE_ID)}".rstrip("/"), len(msgs), set(msgs), fs,
+                           duckdb_too=False)  # DuckDB reads S3 through its httpfs extension, a download
     assert rgw.secret_key not in (job / "progress.jsonl").read_text() + (job / "result.json").read_text()
 
 

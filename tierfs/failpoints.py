@@ -1,13 +1,16 @@
 """Named failpoints for tests only: `TIERFS_FAILPOINTS=name[=action],...` in the daemon's environment.
 
 Actions: `raise` (default; an unexpected exception at that point), `kill` (SIGKILL of the daemon itself,
-for crash-consistency tests), or `sleep:SECONDS` at an async failpoint (`pause`), to widen a race window. Parsed once at import; an unset variable costs one frozenset lookup per check.
+for crash-consistency tests), or `sleep:SECONDS`: at hit() the thread holds that point (so a test can act while
+work is in flight); at an async failpoint (`pause`) the trio loop runs other tasks meanwhile, widening a race
+window. Parsed once at import; an unset variable costs one frozenset lookup per check.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 _ACTIVE: dict[str, str] = {}
 for _item in filter(None, os.environ.get("TIERFS_FAILPOINTS", "").split(",")):
@@ -29,6 +32,9 @@ def hit(name: str) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("sleep:"):
+        time.sleep(float(action[6:]))
+        return
     raise FailpointError(f"failpoint {name}")
 
 

@@ -54,8 +54,6 @@ def _mounted_state(mountpoint: str) -> tuple[Path, Path] | str:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from tierfs.tier.compaction import STAGES, jobs_dir, request_job, requests_dir
 
     found = _mounted_state(args.mountpoint)
@@ -67,8 +65,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     job_id = request_job(state, stages, spark, args.min_age)
     job = jobs_dir(state) / job_id
     req = requests_dir(state) / f"{job_id}.json"
-    quiet = args.json or not sys.stderr.isatty()
-    bars: dict[str, tqdm] = {}
+    view: ProgressView = (ProgressView() if args.json else _Bars() if sys.stderr.isatty() else _Lines())
     pos = 0
     t0 = time.monotonic()
     try:
@@ -83,12 +80,11 @@ def cmd_compact(args: argparse.Namespace) -> int:
             if args.timeout and time.monotonic() - t0 > args.timeout:
                 return _fail(f"job {job_id} still running after {args.timeout} s; it goes on in the daemon "
                              f"(see {mnt}/.tierfs/status)", 1)
-            pos = _follow_progress(job / "progress.jsonl", pos, bars, quiet)
+            pos = _follow_progress(job / "progress.jsonl", pos, view)
             time.sleep(0.2)
-        _follow_progress(job / "progress.jsonl", pos, bars, quiet)
+        _follow_progress(job / "progress.jsonl", pos, view)
     finally:
-        for b in bars.values():
-            b.close()
+        view.close()
     summary = json.loads((job / "applied.json").read_text())
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -106,10 +102,73 @@ def _daemon_alive(state: Path) -> bool:
         return False
 
 
-def _follow_progress(path: Path, pos: int, bars: dict, quiet: bool) -> int:
-    """Read new lines of progress.jsonl from byte `pos`; update one bar per stage. Returns the new position."""
-    from tqdm import tqdm
+class ProgressView:
+    """Shows a job's progress.jsonl as it grows: a stage starts with its task count, then one call per task
+    finished (wherever the cluster ran it). This base shows nothing (--json)."""
 
+    def start(self, stage: str, total: int) -> None:
+        pass
+
+    def item(self, stage: str, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Bars(ProgressView):
+    """A terminal: one tqdm bar per stage, ticking per task."""
+
+    def __init__(self) -> None:
+        self.bars: dict = {}
+
+    def start(self, stage: str, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bars[stage] = tqdm(total=total, desc=f"{stage:<8}", unit="seg", file=sys.stderr, leave=True)
+
+    def item(self, stage: str, rec: dict) -> None:
+        bar = self.bars.get(stage)
+        if bar is not None:
+            bar.set_postfix_str(os.path.basename(str(rec.get("path", ""))) + ("" if rec.get("ok") else " !"))
+            bar.update(1)
+
+    def close(self) -> None:
+        for b in self.bars.values():
+            b.close()
+
+
+class _Lines(ProgressView):
+    """A log or a pipe: a line per stage when it starts, at most every LINE_SECONDS while it runs, when it ends."""
+
+    LINE_SECONDS = 2.0
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}  # stage -> [done, failed, total]
+        self.last = 0.0
+
+    def _line(self, stage: str) -> None:
+        done, failed, total = self.counts[stage]
+        print(f"tierfs: {stage}: {done}/{total} segments done" + (f", {failed} failed" if failed else ""),
+              file=sys.stderr, flush=True)
+        self.last = time.monotonic()
+
+    def start(self, stage: str, total: int) -> None:
+        self.counts[stage] = [0, 0, total]
+        self._line(stage)
+
+    def item(self, stage: str, rec: dict) -> None:
+        c = self.counts.get(stage)
+        if c is None:
+            return
+        c[0] += 1
+        c[1] += not rec.get("ok")
+        if c[0] == c[2] or time.monotonic() - self.last >= self.LINE_SECONDS:
+            self._line(stage)
+
+
+def _follow_progress(path: Path, pos: int, view: ProgressView) -> int:
+    """Hand the whole lines of progress.jsonl after byte `pos` to the view. Returns the new position."""
     try:
         with open(path, "rb") as f:
             f.seek(pos)
@@ -124,11 +183,9 @@ def _follow_progress(path: Path, pos: int, bars: dict, quiet: bool) -> int:
             continue
         stage = str(rec.get("stage", "?"))
         if "total" in rec:
-            bars[stage] = tqdm(total=int(rec["total"]), desc=f"{stage:<8}", unit="seg", disable=quiet,
-                               file=sys.stderr, leave=True)
-        elif stage in bars:
-            bars[stage].set_postfix_str(os.path.basename(str(rec.get("path", ""))) + ("" if rec.get("ok") else " !"))
-            bars[stage].update(1)
+            view.start(stage, int(rec["total"]))
+        else:
+            view.item(stage, rec)
     return pos + end
 
 

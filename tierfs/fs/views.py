@@ -221,6 +221,9 @@ def render_compaction(c: dict) -> list[str]:
     if r:
         out.append(f"  compaction: job {r['job_id']} running ({','.join(r['stages'])}, {r['trigger']}), "
                    f"{r['done']}/{r['total']} items, {r['seconds']} s")
+        for stage, p in (r.get("progress") or {}).items():
+            mark = " <- running" if stage == r.get("stage") and p["done"] < p["total"] else ""
+            out.append(f"    stage {stage}: {p['done']}/{p['total']} segments done, {p['failed']} failed{mark}")
     jobs = list((c.get("last") or [])[:3])
     useful = c.get("last_useful")
     if useful and all(j.get("job_id") != useful.get("job_id") for j in jobs):

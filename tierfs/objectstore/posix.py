@@ -25,6 +25,12 @@ parents. Temporary files are hidden from `list` and are what `list_multipart_upl
 streamed copy: the posix "multipart upload"); `abort_multipart` deletes one. Empty directories left by deletes
 are removed.
 
+Plain objects: a key ending in one of PLAIN_SUFFIXES (".parquet": the message archive) is stored as the bare
+content, no trailer, so other tools (pyarrow, DuckDB, Spark) read the store directory in place. Such an object
+is published the same atomic way but carries no metadata and no stored crc32c: `head` gives {} as its metadata,
+its size is the file size, and its etag is made of mtime and size. Formats stored plain check themselves
+(Parquet: magic bytes, page checksums).
+
 Posix-only key limits (ValueError): no key segment may start with `.tierfs-` (reserved for temporary files) or be
 longer than 200 bytes, and a key cannot be both an object and a prefix of other objects ("a" and "a/b").
 """
@@ -57,6 +63,7 @@ _RESERVED = ".tierfs-"
 _TMP = ".tierfs-tmp."
 _TMP_RE = re.compile(r"^\.tierfs-tmp\.([0-9a-f]{16})\.(.+)$")
 MAX_SEGMENT_BYTES = 200
+PLAIN_SUFFIXES = (".parquet",)  # objects that other tools open in place: stored without the trailer
 # errors that mean "the medium is not there right now" (NFS server gone, unmounted, I/O failure)
 _UNAVAILABLE = {errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH,
                 errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOLINK,
@@ -69,6 +76,11 @@ class _Corrupt(Exception):
 
 def _crc(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
+
+
+def is_plain(key: str) -> bool:
+    """Is this key stored as the bare content (see PLAIN_SUFFIXES)?"""
+    return key.endswith(PLAIN_SUFFIXES)
 
 
 class PosixObjectStore(ObjectStore):
@@ -188,10 +200,11 @@ class PosixObjectStore(ObjectStore):
         try:
             try:
                 size, crc = write_content(fd)
-                meta = json.dumps({"metadata": metadata(crc)}, sort_keys=True, separators=(",", ":")).encode()
-                body = _FOOTER.pack(MAGIC, size, crc, len(meta), _crc(meta), 0)[:-4]
-                footer = body + struct.pack("<I", _crc(body))
-                _write_all(fd, meta + footer)
+                if not is_plain(key):
+                    meta = json.dumps({"metadata": metadata(crc)}, sort_keys=True, separators=(",", ":")).encode()
+                    body = _FOOTER.pack(MAGIC, size, crc, len(meta), _crc(meta), 0)[:-4]
+                    footer = body + struct.pack("<I", _crc(body))
+                    _write_all(fd, meta + footer)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -210,7 +223,10 @@ class PosixObjectStore(ObjectStore):
                 os.unlink(tmp)
             raise
         self._fsync_dir(os.path.dirname(path))
-        return ObjectInfo(key, size, _etag(crc, size), os.stat(path).st_mtime, dict(meta))
+        st = os.stat(path)
+        if is_plain(key):
+            return ObjectInfo(key, size, _plain_etag(st), st.st_mtime, {})
+        return ObjectInfo(key, size, _etag(crc, size), st.st_mtime, dict(meta))
 
     def _stage_bytes(self, path: str, key: str, data: bytes | bytearray | memoryview,
                      metadata: Mapping[str, str] | None) -> tuple[str, int, int, dict[str, str]]:
@@ -310,7 +326,7 @@ class PosixObjectStore(ObjectStore):
                 raise ObjectNotFound(key, self._where(key))
             fd, st = opened
             try:
-                size, _, _, _ = _read_footer(fd, st.st_size)
+                size = _content_size(key, fd, st.st_size)
                 if start + length > size:
                     raise ObjectRangeError(key, start, length, size, self._where(key))
                 return _pread_exact(fd, length, start) if length else b""
@@ -324,8 +340,7 @@ class PosixObjectStore(ObjectStore):
                 raise ObjectNotFound(key, self._where(key))
             fd, st = opened
             try:
-                size, _, _, _ = _read_footer(fd, st.st_size)
-                return _pread_exact(fd, size, 0)
+                return _pread_exact(fd, _content_size(key, fd, st.st_size), 0)
             finally:
                 os.close(fd)
 
@@ -336,6 +351,8 @@ class PosixObjectStore(ObjectStore):
                 return None
             fd, st = opened
             try:
+                if is_plain(key):
+                    return ObjectInfo(key, st.st_size, _plain_etag(st), st.st_mtime, {})
                 size, crc, meta_len, meta_crc = _read_footer(fd, st.st_size)
                 raw = _pread_exact(fd, meta_len, size)
                 if _crc(raw) != meta_crc:
@@ -467,17 +484,21 @@ class PosixObjectStore(ObjectStore):
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     continue
-                try:
-                    size, crc, _, _ = _read_footer(fd, st.st_size)
-                except _Corrupt as e:
-                    log.warning("posix object store: skipping corrupt object %s in listing: %s",
-                                self._where(key), e)
-                    continue
+                if is_plain(key):
+                    size, etag = st.st_size, _plain_etag(st)
+                else:
+                    try:
+                        size, crc, _, _ = _read_footer(fd, st.st_size)
+                    except _Corrupt as e:
+                        log.warning("posix object store: skipping corrupt object %s in listing: %s",
+                                    self._where(key), e)
+                        continue
+                    etag = _etag(crc, size)
             except OSError as e:
                 raise self._translate(key, "list", e) from e
             finally:
                 os.close(fd)
-            yield ObjectInfo(key, size, _etag(crc, size), st.st_mtime, None)
+            yield ObjectInfo(key, size, etag, st.st_mtime, None)
 
     def list_multipart_uploads(self, prefix: str = "") -> Iterator[MultipartUpload]:
         validate_prefix(prefix)
@@ -514,6 +535,14 @@ class PosixObjectStore(ObjectStore):
 
 def _etag(crc: int, size: int) -> str:
     return f"{format_crc32c(crc)}-{size}"
+
+
+def _plain_etag(st: os.stat_result) -> str:
+    return f"plain-{st.st_mtime_ns:x}-{st.st_size}"
+
+
+def _content_size(key: str, fd: int, file_size: int) -> int:
+    return file_size if is_plain(key) else _read_footer(fd, file_size)[0]
 
 
 def _write_all(fd: int, data) -> int:

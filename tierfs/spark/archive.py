@@ -42,6 +42,9 @@ ROW_GROUP_BYTES = 64 << 20      # one Parquet row group per (topic, date) once t
 BUFFER_BYTES = 128 << 20        # ... and every group is flushed when all groups together hold this much
 COMPRESSION = "zstd"
 _II = struct.Struct(">ii")
+_Q = struct.Struct(">q")
+_FIXED = struct.Struct(">iiiiiqqiq")   # TOTALSIZE .. BORNTIMESTAMP (commitlog format, 48 bytes)
+_RECONSUME = struct.Struct(">i")
 _HEAD_MIN = 91                  # smallest possible message record (IPv4, v1, empty body/topic/properties)
 _KEEP_TAIL = 8 << 20            # compact the decode buffer once this much has been consumed
 _HIVE_DEFAULT = "__HIVE_DEFAULT_PARTITION__"
@@ -168,10 +171,21 @@ def iter_messages(blocks: Iterable[bytes], segment_name: str, size: int) -> Iter
     """(position, message) for each message of a sealed CommitLog segment whose content arrives in `blocks`.
 
     Streams: at most _KEEP_TAIL bytes of decoded records plus one block and one record are held, whatever the
-    segment size. Stops at the terminal BLANK
-    and reads nothing after it. Raises ArchiveError naming the position of anything that is not a valid sealed
-    segment. `size` is the segment size (the BLANK's TOTALSIZE must reach it).
+    segment size. Stops at the terminal BLANK and reads nothing after it. Raises ArchiveError naming the position
+    of anything that is not a valid sealed segment. `size` is the segment size (the BLANK's TOTALSIZE must reach
+    it).
     """
+    for buf, pos, at, _ in _records(blocks, segment_name, size):
+        rec = cl.decode_record(buf, pos, check_crc=True)
+        if not isinstance(rec, cl.Message):  # _records checked the layout and the CRC: cannot happen
+            raise ArchiveError(f"commitlog/{segment_name}: record at position {at} is invalid")
+        yield at, rec
+
+
+def _records(blocks: Iterable[bytes], segment_name: str, size: int) -> Iterator[tuple[bytearray, int, int, tuple]]:
+    """(buffer, position in it, segment position, layout) of each message record, checked as iter_messages says:
+    lengths against TOTALSIZE, BODYCRC, PHYSICALOFFSET against the segment name; the layout is
+    commitlog._message_layout's. The buffer is only valid until the next item."""
     base = name_to_offset(segment_name)
     it = iter(blocks)
     buf = bytearray()
@@ -212,14 +226,15 @@ def iter_messages(blocks: Iterable[bytes], segment_name: str, size: int) -> Iter
         if len(buf) - pos < total and not fill(total):
             raise ArchiveError(f"commitlog/{segment_name}: content ends at position {start + len(buf)} inside the "
                                f"record at position {at} (TOTALSIZE {total})")
-        rec = cl.decode_record(buf, pos, check_crc=True)
-        if not isinstance(rec, cl.Message):
+        lay = cl._message_layout(buf, pos, total, 2 if magic == cl.MAGIC_V2 else 1, len(buf))
+        if lay is None or not cl._crc_ok(memoryview(buf), pos, lay[3], lay[4]):
             raise ArchiveError(f"commitlog/{segment_name}: record at position {at} is invalid (field lengths "
                                f"disagree with TOTALSIZE {total}, or its BODYCRC does not match the body)")
-        if rec.physical_offset != base + at:
+        phys = _Q.unpack_from(buf, pos + 28)[0]
+        if phys != base + at:
             raise ArchiveError(f"commitlog/{segment_name}: record at position {at} says PHYSICALOFFSET "
-                               f"{rec.physical_offset}, expected {base + at}")
-        yield at, rec
+                               f"{phys}, expected {base + at}")
+        yield buf, pos, at, lay
         pos += total
 
 
@@ -235,91 +250,125 @@ def _host_text(h: cl.Host) -> tuple[str, str]:
 
 
 _COLS = tuple(n for n, _ in SCHEMA_FIELDS)
+_EXPIRED = object()  # the group of a (topic, date) that retention already expired: rows are counted, not kept
+# RE2 patterns over a record's raw PROPERTIES string (MessageDecoder.string2messageProperties: entries NAME\1VALUE
+# split by \2, kept when name and value are non-empty, the last of a name wins).
+_ENTRY_RE = "(?s)^(?P<k>[^\x01]+)\x01(?P<v>.+)$"
+
+
+def _last_value_re(name: str) -> str:
+    return f"(?s)^.*(?:^|\x02){name}\x01(?P<v>[^\x02]+)"
 
 
 @dataclass
 class _Group:
-    """Buffered rows of one (topic, date) and its local Parquet file."""
+    """Buffered records of one (topic, date) and its local Parquet file. A row is the record's fixed fields (one
+    struct unpack), its body, its raw properties string, and the texts of its hosts and message id."""
 
     topic: str
     date: str
     path: str
-    cols: dict[str, list] = field(default_factory=lambda: {c: [] for c in _COLS})
+    rows: list = field(default_factory=list)
     buffered: int = 0
-    rows: int = 0
+    count: int = 0
     writer: object = None
 
 
 class _Writer:
-    """Groups rows by (topic, UTC date) into local Parquet files with bounded memory."""
+    """Groups records by (topic, UTC date) into local Parquet files with bounded memory. Columns are built from
+    the buffered rows at flush time; PROPERTIES, KEYS and TAGS are parsed there column-wise by Arrow compute."""
 
     def __init__(self, tmpdir: str):
         import pyarrow as pa
+        import pyarrow.compute as pc
 
-        self._pa = pa
+        self._pa, self._pc = pa, pc
         self.schema = arrow_schema()
         self.tmpdir = tmpdir
-        self.groups: dict[tuple[str, int], _Group] = {}
+        self.groups: dict[tuple[bytes, int], _Group | object] = {}
         self.buffered = 0
-        self._dates: dict[int, str] = {}
-        self._hosts: dict[cl.Host, tuple[str, str]] = {}  # a store has a handful of hosts: format them once
+        self._hosts: dict[tuple[bytes, int], tuple[str, str]] = {}  # a store has a handful of hosts
 
-    def host(self, h: cl.Host) -> tuple[str, str]:
+    def host(self, h: tuple[bytes, int]) -> tuple[str, str]:
         t = self._hosts.get(h)
         if t is None:
             t = self._hosts[h] = _host_text(h)
         return t
 
-    def date_of(self, store_ms: int) -> tuple[int, str]:
-        day = store_ms // DAY_MS
-        text = self._dates.get(day)
-        if text is None:
-            try:
-                text = self._dates[day] = (_dt.date(1970, 1, 1) + _dt.timedelta(days=day)).isoformat()
-            except OverflowError:
-                raise ArchiveError(f"STORETIMESTAMP {store_ms} is outside the years 1-9999") from None
-        return day, text
+    def group(self, topic: bytes, day: int, retention: Mapping[str, float], today: _dt.date) -> _Group | object:
+        """The group of (topic, day), made on first use: _EXPIRED when retention already dropped that date."""
+        t = topic.decode("utf-8", "replace")
+        try:
+            date = _dt.date(1970, 1, 1) + _dt.timedelta(days=day)
+        except OverflowError:
+            raise ArchiveError(f"STORETIMESTAMP of a {t!r} message is outside the years 1-9999") from None
+        if is_expired(date, retention_days(retention, t), today):
+            g: _Group | object = _EXPIRED
+        else:
+            g = _Group(t, date.isoformat(), os.path.join(self.tmpdir, f"{len(self.groups)}.parquet"))
+        self.groups[(topic, day)] = g
+        return g
 
-    def add(self, msg: cl.Message, phys: int, day: int, date: str) -> None:
-        g = self.groups.get((msg.topic, day))
-        if g is None:
-            g = self.groups[(msg.topic, day)] = _Group(
-                msg.topic, date, os.path.join(self.tmpdir, f"{len(self.groups)}.parquet"))
-        c = g.cols
-        props = msg.properties
-        c["queue_id"].append(msg.queue_id)
-        c["queue_offset"].append(msg.queue_offset)
-        c["phys_offset"].append(phys)
-        c["store_timestamp"].append(msg.store_timestamp)
-        c["born_timestamp"].append(msg.born_timestamp)
-        c["keys"].append(msg.keys)
-        c["tags"].append(props.get(cl.PROPERTY_TAGS))
-        c["properties"].append(list(props.items()))
-        c["body"].append(msg.body)
-        c["body_crc"].append(msg.body_crc)
-        c["sys_flag"].append(msg.sys_flag)
-        c["flag"].append(msg.flag)
-        c["reconsume_times"].append(msg.reconsume_times)
-        store_host, id_prefix = self.host(msg.store_host)
-        c["born_host"].append(self.host(msg.born_host)[0])
-        c["store_host"].append(store_host)
-        c["msg_id"].append(f"{id_prefix}{phys:016X}")  # cl.message_id without re-packing the host
-        g.rows += 1
-        n = msg.total_size
+    def add(self, g: _Group, buf: bytearray, pos: int, lay: tuple, f: tuple) -> None:
+        """f: commitlog._fixed_struct(SYSFLAG) unpacked at pos (TOTALSIZE .. BODY length)."""
+        body_at = pos + lay[3]
+        props_at = pos + lay[7]
+        born, store = self.host((f[9], f[10])), self.host((f[12], f[13]))
+        g.rows.append((f, bytes(buf[body_at:body_at + lay[4]]),
+                       buf[props_at:props_at + lay[8]].decode("utf-8", "replace"),
+                       born[0], store[0], f"{store[1]}{f[6]:016X}"))  # msg_id: cl.message_id, host packed once
+        g.count += 1
+        n = f[0]
         g.buffered += n
         self.buffered += n
         if g.buffered >= ROW_GROUP_BYTES:
             self._flush(g)
         elif self.buffered >= BUFFER_BYTES:
             for other in self.groups.values():
-                self._flush(other)
+                if other is not _EXPIRED:
+                    self._flush(other)
+
+    def _filter_lists(self, offsets, keep, *values):
+        """Drop the elements where `keep` is false from list columns sharing `offsets`: (new offsets, values)."""
+        pa, pc = self._pa, self._pc
+        kept = pc.cumulative_sum(pc.cast(keep, pa.int32()))
+        starts = pa.concat_arrays([pa.array([0], pa.int32()), kept])
+        return (pc.take(starts, offsets), *(pc.filter(v, keep) for v in values))
+
+    def _property_columns(self, raw: list[str]):
+        """(properties map, keys list, tags) of each record from its raw PROPERTIES string, column-wise."""
+        pa, pc = self._pa, self._pc
+        arr = pa.array(raw, pa.string())
+        entries = pc.split_pattern(arr, "\x02")
+        kv = pc.extract_regex(entries.flatten(), _ENTRY_RE)
+        keep = pc.fill_null(pc.is_valid(kv), False)
+        offsets, names, values = self._filter_lists(entries.offsets, keep, kv.field(0), kv.field(1))
+        props = pa.MapArray.from_arrays(offsets, names, values, type=self.schema.field("properties").type)
+        tags = pc.struct_field(pc.extract_regex(arr, _last_value_re(cl.PROPERTY_TAGS)), [0])
+        keys_text = pc.fill_null(pc.struct_field(pc.extract_regex(arr, _last_value_re(cl.PROPERTY_KEYS)), [0]), "")
+        tokens = pc.split_pattern(keys_text, cl.KEY_SEPARATOR)
+        flat = tokens.flatten()
+        koff, kvals = self._filter_lists(tokens.offsets, pc.greater(pc.utf8_length(flat), 0), flat)
+        keys = pa.ListArray.from_arrays(koff, kvals, type=self.schema.field("keys").type)
+        return props, keys, tags
 
     def _flush(self, g: _Group) -> None:
-        if not g.cols["phys_offset"]:
+        if not g.rows:
             return
         pa = self._pa
-        table = pa.Table.from_arrays([pa.array(g.cols[name], type=self.schema.field(name).type) for name in _COLS],
-                                     schema=self.schema)
+        fixed, bodies, props_raw, born, store, ids = zip(*g.rows)
+        props, keys, tags = self._property_columns(props_raw)
+        cols = {
+            "queue_id": [x[3] for x in fixed], "queue_offset": [x[5] for x in fixed],
+            "phys_offset": [x[6] for x in fixed], "store_timestamp": [x[11] for x in fixed],
+            "born_timestamp": [x[8] for x in fixed], "keys": keys, "tags": tags, "properties": props,
+            "body": bodies, "body_crc": [x[2] for x in fixed], "sys_flag": [x[7] for x in fixed],
+            "flag": [x[4] for x in fixed], "reconsume_times": [x[14] for x in fixed], "born_host": born,
+            "store_host": store, "msg_id": ids,
+        }
+        table = pa.Table.from_arrays(
+            [c if isinstance(c, (pa.Array, pa.ChunkedArray)) else pa.array(c, type=self.schema.field(n).type)
+             for n, c in ((n, cols[n]) for n in _COLS)], schema=self.schema)
         if g.writer is None:
             import pyarrow.parquet as pq
 
@@ -327,18 +376,19 @@ class _Writer:
         g.writer.write_table(table)
         self.buffered -= g.buffered
         g.buffered = 0
-        g.cols = {name: [] for name in _COLS}
+        g.rows = []
 
     def finish(self) -> list[_Group]:
-        for g in self.groups.values():
+        live = [g for g in self.groups.values() if g is not _EXPIRED]
+        for g in live:
             self._flush(g)
             g.writer.close()
-        return sorted(self.groups.values(), key=lambda g: (g.topic, g.date))
+        return sorted(live, key=lambda g: (g.topic, g.date))
 
     def abort(self) -> None:
         """Close the open files after a failure (the temporary directory goes with them; errors are moot)."""
         for g in self.groups.values():
-            if g.writer is not None:
+            if g is not _EXPIRED and g.writer is not None:
                 with contextlib.suppress(Exception):
                     g.writer.close()
 
@@ -352,6 +402,8 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
 
     Rows of partitions that retention already expired are skipped (counted in `expired_rows`), so the sweep
     does not delete what was just written. `read` defaults to tasks.read_segment (raw chunks or lz4c, crc-checked).
+    Records are not decoded into message objects: each is one struct unpack of its fixed fields plus slices,
+    buffered per (topic, date); the properties are parsed column-wise when a group is written.
     """
     if read is None:
         from tierfs.spark.tasks import read_segment as read
@@ -366,31 +418,34 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             yield b
 
     expired_rows = 0
-    expired: dict[tuple[str, int], bool] = {}
+    fixed_struct = cl._fixed_struct
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-") as tmp:
         w = _Writer(tmp)
+        groups = w.groups
         try:
-            for _, msg in iter_messages(counted(read(store, seg)), name, size):
-                day, date = w.date_of(msg.store_timestamp)
-                gone = expired.get((msg.topic, day))
-                if gone is None:
-                    gone = expired[(msg.topic, day)] = is_expired(
-                        _dt.date.fromisoformat(date), retention_days(retention, msg.topic), today)
-                if gone:
+            for buf, pos, _, lay in _records(counted(read(store, seg)), name, size):
+                f = fixed_struct(lay[0]).unpack_from(buf, pos)
+                topic_at = pos + lay[5]
+                topic = bytes(buf[topic_at:topic_at + lay[6]])
+                day = f[11] // DAY_MS
+                g = groups.get((topic, day))
+                if g is None:
+                    g = w.group(topic, day, retention, today)
+                if g is _EXPIRED:
                     expired_rows += 1
                     continue
-                w.add(msg, msg.physical_offset, day, date)
-            groups = w.finish()
+                w.add(g, buf, pos, lay, f)
+            done = w.finish()
         except BaseException:
             w.abort()
             raise
         keys, nbytes, rows = [], 0, 0
-        for g in groups:
+        for g in done:
             key = archive_key(store_id, g.topic, g.date, part_name(path), gen)
             info = store.put_file(key, g.path)
             keys.append(key)
             nbytes += info.size
-            rows += g.rows
+            rows += g.count
     return {"path": path, "generation": gen, "rows": rows, "keys": keys, "bytes": nbytes,
             "expired_rows": expired_rows, "bytes_read": consumed}
 

@@ -1,8 +1,8 @@
 """The Spark driver of the tierfs pipeline: `python -m tierfs.spark --job-dir DIR`.
 
 Contract (docs: pipeline contract, DESIGN §10): the daemon writes DIR/input.json; this process runs the requested
-stages in the fixed order segments, index, archive, one Spark task per segment; executors open the object store
-themselves, so no segment bytes pass through the driver. Each stage's results stream back in completion order
+stages in the fixed order segments, index, archive, with segments grouped into Spark tasks (plan_tasks); executors
+open the object store themselves, so no segment bytes pass through the driver. Each stage's results stream back in completion order
 (one job per partition of one RDD, submitted from a small thread pool), and the driver appends one line per
 finished item to DIR/progress.jsonl. A failing item is an errors[] entry, not a job failure. DIR/result.json is
 written last and atomically: a job killed midway leaves none, and the daemon then swaps nothing.
@@ -270,7 +270,7 @@ def run_item(p: StageParams, seg: dict) -> dict:
 
 def _partition_runner(p: StageParams) -> Callable:
     def run(it):
-        return [run_item(p, seg) for seg in it]
+        return [[run_item(p, seg) for seg in batch] for batch in it]
     return run
 
 
@@ -331,6 +331,9 @@ def start_session(inp: JobInput):
     """SparkSession for the job (executors use this same Python unless PYSPARK_PYTHON says otherwise)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    executor_python = inp.spark.get("spark.pyspark.python")
+    if executor_python:  # what spark-submit does with this key: PySpark takes the executors' Python from the env
+        os.environ["PYSPARK_PYTHON"] = executor_python
     if is_local_master(inp.master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     (inp.job_dir / LOG4J).write_text(_LOG4J_TEXT)
@@ -358,6 +361,24 @@ def _ship_package(sc, job_dir: Path) -> None:
     sc.addPyFile(str(zpath))
 
 
+def _warm_task(_: Any) -> list[int]:
+    """Executor side of warm_up: load what every task needs once per Python worker."""
+    import pyarrow.parquet  # noqa: F401 - the archive's writer, the slowest import
+
+    import tierfs.spark.archive  # noqa: F401
+    import tierfs.spark.tasks  # noqa: F401
+
+    return [os.getpid()]
+
+
+def warm_up(sc) -> None:
+    """Start a Python worker on every executor core and import the task modules in it, as part of the session
+    start: stage timings then measure the work, and the first tasks of a stage do not queue behind imports.
+    Spark keeps idle Python workers for the next tasks (spark.python.worker.reuse, on by default)."""
+    n = max(1, int(sc.defaultParallelism))
+    sc.parallelize(range(n), n).mapPartitions(_warm_task).collect()
+
+
 def _spark_error(e: BaseException) -> str:
     """A short message for a task that failed inside Spark (worker crash, lost executor), not a Java trace."""
     text = str(getattr(e, "java_exception", None) or e)
@@ -376,43 +397,76 @@ class StageReport:
     rows: int = 0
 
 
+TASK_BYTES = 256 << 20  # segments are grouped into Spark tasks of about this much input ...
+TASKS_PER_CORE = 2      # ... or less, so that every core gets this many tasks while there is enough work
+
+
+def plan_tasks(sizes: list[int], cores: int) -> list[list[int]]:
+    """Indexes of the segments grouped into tasks, in order: small segments (ConsumeQueue files, small stores)
+    share a task so per-task costs do not dominate, a segment of TASK_BYTES or more is a task of its own, and
+    the work is cut fine enough to keep `cores` busy."""
+    per = max(1, min(TASK_BYTES, sum(sizes) // max(1, cores * TASKS_PER_CORE)))
+    tasks: list[list[int]] = []
+    cur: list[int] = []
+    acc = 0
+    for i, size in enumerate(sizes):
+        if cur and acc + size > per:
+            tasks.append(cur)
+            cur, acc = [], 0
+        cur.append(i)
+        acc += size
+    if cur:
+        tasks.append(cur)
+    return tasks
+
+
 def run_stage(sc, stage: str, segs: list[dict], params: StageParams, progress: Progress,
               on_item: Callable[[dict, dict], None]) -> StageReport:
-    """One task per segment; results handed to on_item(seg, outcome) and logged in completion order.
+    """Segments grouped into tasks (plan_tasks); results handed to on_item(seg, outcome) and logged in
+    completion order.
 
-    One RDD with a partition per segment; each partition runs as its own Spark job, submitted from as many
-    driver threads as the cluster has cores, so results arrive as tasks finish (toLocalIterator would run the
-    partitions one after another) while the scheduler keeps every core busy.
+    One RDD with a partition per task; each partition runs as its own Spark job, submitted from as many driver
+    threads as the cluster has cores, so results arrive as tasks finish (toLocalIterator would run the
+    partitions one after another) while the scheduler keeps every core busy. A task that dies inside Spark
+    (its worker crashed, retries exhausted) is an error for each of its segments.
     """
     report = StageReport(items=len(segs))
     t0 = time.monotonic()
     if segs:
-        rdd = sc.parallelize(segs, numSlices=len(segs))
+        cores = max(1, int(sc.defaultParallelism))
+        plan = plan_tasks([int(seg["size"]) for seg in segs], cores)
+        rdd = sc.parallelize([[segs[i] for i in task] for task in plan], numSlices=len(plan))
         runner = _partition_runner(params)
 
-        def one(i: int) -> dict:
-            return sc.runJob(rdd, runner, [i])[0]
+        def one(t: int) -> list[dict]:
+            return sc.runJob(rdd, runner, [t])[0]
 
-        workers = max(1, min(len(segs), int(sc.defaultParallelism)))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=f"tierfs-{stage}") as pool:
-            futures = {pool.submit(one, i): seg for i, seg in enumerate(segs)}
+        with concurrent.futures.ThreadPoolExecutor(min(len(plan), cores), thread_name_prefix=f"tierfs-{stage}") \
+                as pool:
+            futures = {pool.submit(one, t): task for t, task in enumerate(plan)}
             for fut in concurrent.futures.as_completed(futures):
-                seg = futures[fut]
+                task = futures[fut]
                 try:
-                    outcome = fut.result()
+                    outcomes = fut.result()
                 except Exception as e:  # noqa: BLE001 - the task died inside Spark
-                    outcome = {"ok": False, "error": _spark_error(e)}
-                report.bytes_in += outcome.get("bytes_in", 0)
-                report.bytes_out += outcome.get("bytes_out", 0)
-                report.failed += not outcome["ok"]
-                if outcome["ok"]:
-                    report.rows += int(outcome["row"].get("rows", 0))
-                on_item(seg, outcome)
-                progress.write({"stage": stage, "path": seg["path"], "ok": outcome["ok"],
-                                "bytes_in": outcome.get("bytes_in", 0), "bytes_out": outcome.get("bytes_out", 0),
-                                "error": outcome.get("error"), "seconds": outcome.get("seconds")})
+                    outcomes = [{"ok": False, "error": _spark_error(e)}] * len(task)
+                for i, outcome in zip(task, outcomes):
+                    _item_done(stage, segs[i], outcome, report, progress, on_item)
     report.seconds = round(time.monotonic() - t0, 3)
     return report
+
+
+def _item_done(stage: str, seg: dict, outcome: dict, report: StageReport, progress: Progress,
+               on_item: Callable[[dict, dict], None]) -> None:
+    report.bytes_in += outcome.get("bytes_in", 0)
+    report.bytes_out += outcome.get("bytes_out", 0)
+    report.failed += not outcome["ok"]
+    if outcome["ok"]:
+        report.rows += int(outcome["row"].get("rows", 0))
+    on_item(seg, outcome)
+    progress.write({"stage": stage, "path": seg["path"], "ok": outcome["ok"],
+                    "bytes_in": outcome.get("bytes_in", 0), "bytes_out": outcome.get("bytes_out", 0),
+                    "error": outcome.get("error"), "seconds": outcome.get("seconds")})
 
 
 def run_job(inp: JobInput, spark, progress: Progress) -> dict:
@@ -501,8 +555,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tierfs.spark: error: cannot start Spark (spark.master {inp.master!r}): {_spark_error(e)}",
                   file=sys.stderr)
             return EXIT_FAILED
-        startup = time.monotonic() - t0
         try:
+            try:
+                warm_up(spark.sparkContext)
+            except Exception as e:  # noqa: BLE001 - the stages then report what is wrong, item by item
+                print(f"tierfs.spark: warning: executor warm-up failed: {_spark_error(e)}", file=sys.stderr)
+            startup = time.monotonic() - t0
             result = run_job(inp, spark, progress)
             result["session_start_seconds"] = round(startup, 3)
             write_result(job_dir, result)

@@ -366,9 +366,13 @@ class Compactor:
         out: dict = {"running": None, "last": []}
         if self.running is not None:
             j = self.running
-            done, total = progress_counts(j.dir)
+            per_stage = stage_progress(j.dir)
+            current = next(reversed(per_stage), None)  # the stage the job started last
             out["running"] = {"job_id": j.job_id, "stages": j.stages, "trigger": j.trigger,
-                              "seconds": round(time.time() - j.started, 1), "done": done, "total": total}
+                              "seconds": round(time.time() - j.started, 1),
+                              "done": sum(p["done"] for p in per_stage.values()),
+                              "total": sum(p["total"] for p in per_stage.values()),
+                              "stage": current, "progress": per_stage}
         done = sorted((p for p in self.jobs.glob("*") if (p / "applied.json").exists()), reverse=True)
         for d in done[:5]:
             try:
@@ -403,22 +407,25 @@ def _last_useful(newest_first: list[Path]) -> dict | None:
     return None
 
 
-def progress_counts(d: Path) -> tuple[int, int]:
-    done = total = 0
+def stage_progress(d: Path) -> dict[str, dict[str, int]]:
+    """{stage: {"done", "failed", "total"}} from DIR/progress.jsonl, stages in the order the job started them."""
+    out: dict[str, dict[str, int]] = {}
     try:
         with open(d / "progress.jsonl") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except ValueError:
-                    continue
-                if "total" in rec:
-                    total += int(rec["total"])
-                else:
-                    done += 1
+                    s = out.setdefault(str(rec["stage"]), {"done": 0, "failed": 0, "total": 0})
+                    if "total" in rec:
+                        s["total"] = int(rec["total"])
+                    else:
+                        s["done"] += 1
+                        s["failed"] += not rec.get("ok", False)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line being written
     except OSError:
         pass
-    return done, total
+    return out
 
 
 def _signal_group(pid: int, sig: int) -> None:
