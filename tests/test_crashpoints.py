@@ -26,6 +26,7 @@ import pytest
 
 from mountutil import daemon_env, evict, wait_for
 from test_compaction import PIPE_OPTS
+from test_fsck import fsck, kinds
 from test_tiering import copy_in, reference_store, segments, status, wait_tiered_and_evicted  # noqa: F401
 
 
@@ -100,6 +101,9 @@ def test_sigkill_at_crash_point_loses_nothing(mount_store, reference_store, tmp_
     want = {p: crc32c.crc32c((ref / p).read_bytes()) for p in acked if p not in gone}
     got = file_crcs(m.mnt)
     assert {p: got.get(p) for p in want} == want, "an acknowledged file differs after the crash"
+    # one transaction per state change: whatever the crash interrupted, no object is left that nothing references
+    _, rep, _ = fsck(m.mnt)
+    assert kinds(rep).get("orphan_object", 0) == 0, rep
     copy_in(ref, m.mnt)  # finish the store, let tiering resume, and check everything once more
     settle(m, ref)
     assert file_crcs(m.mnt) == file_crcs(ref)

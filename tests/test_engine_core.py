@@ -208,3 +208,56 @@ def test_a_catalog_of_the_previous_version_is_migrated_at_mount(mount_store):
     put_cq(m, rels[0], cq_bytes(2000))
     wait_for(lambda: tiered_and_evicted(m, rels[0]), timeout=90, what="the re-created file tiered")
     assert by_path(m)[rels[0]]["generation"] > top
+
+
+def wait_log(m, text: str, count: int = 1, timeout: float = 90) -> None:
+    wait_for(lambda: m.log_text().count(text) >= count, timeout=timeout, what=f"log line {text!r}")
+
+
+def test_the_evictor_never_punches_a_file_being_rematerialised(mount_store):
+    """Finding 4: a write into a tiered segment fetched every block, then awaited fdatasync while the entry was
+    still evictable: the evictor punched the blocks just fetched and the file turned HOT full of holes. Now the
+    file is pinned from the first fetch to the commit (the failpoint holds the window open for 3 s)."""
+    m = mount_store(options=[EVICT_ALL], env={"TIERFS_FAILPOINTS": "tier.rematerialise_synced=sleep:3"})
+    rel = f"{CQ}/TopicD/0/00000000000000000000"
+    want = bytearray(cq_bytes(3000))
+    put_cq(m, rel, bytes(want))
+    wait_for(lambda: tiered_and_evicted(m, rel), timeout=90, what=f"{rel} tiered and evicted")
+    new_unit = struct.pack(">qiq", 1500 * 100, 100, 424242)
+    with open(m.mnt / rel, "r+b") as f:
+        f.seek(1500 * 20)
+        f.write(new_unit)
+        f.flush()
+        os.fsync(f.fileno())
+    want[1500 * 20:1501 * 20] = new_unit
+    wait_log(m, "failpoint tier.rematerialise_synced: pausing")
+    evict(m.mnt / rel)
+    assert (m.mnt / rel).read_bytes() == bytes(want)
+    wait_for(lambda: tiered_and_evicted(m, rel), timeout=90, what="the new generation tiered and evicted")
+    evict(m.mnt / rel)
+    assert (m.mnt / rel).read_bytes() == bytes(want)
+
+
+def test_an_unlink_and_recreate_during_an_eviction_batch_punches_nothing_of_the_new_file(mount_store):
+    """Finding 5: an eviction batch punched by reopening each file by path after its commit. A file unlinked and
+    re-created meanwhile had the new file's blocks punched (zeros where data was written); an unlinked one aborted
+    the batch with the others half-done. Punches now go through the file's own fd (by file id)."""
+    m = mount_store(options=[EVICT_ALL], env={"TIERFS_FAILPOINTS": "tier.evict_saved=sleep:3"})
+    rel = f"{CQ}/TopicE/0/00000000000000000000"
+    other = f"{CQ}/TopicE/1/00000000000000000000"
+    put_cq(m, other, cq_bytes(3000, tag=3))
+    put_cq(m, rel, cq_bytes(3000, tag=1))
+    wait_for(lambda: by_path(m).get(rel, {}).get("state") == "tiered", timeout=90, what="tiered")
+    before = m.log_text().count("failpoint tier.evict_saved: pausing")
+    wait_log(m, "failpoint tier.evict_saved: pausing", before + 1)
+    os.unlink(m.mnt / rel)  # while the batch that holds it waits between its commit and its punches
+    new = cq_bytes(3000, tag=2)
+    put_cq(m, rel, new)
+    wait_log(m, "failpoint tier.evict_saved: pausing", before + 2)  # the batch went on to its punches
+    evict(m.mnt / rel)
+    assert (m.mnt / rel).read_bytes() == new
+    wait_for(lambda: tiered_and_evicted(m, other), timeout=90, what="the other file of the batch evicted")
+    evict(m.mnt / other)
+    assert (m.mnt / other).read_bytes() == cq_bytes(3000, tag=3)
+    assert m.alive()
+

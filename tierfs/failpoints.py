@@ -45,8 +45,11 @@ async def pause(name: str) -> None:
     if action is None:
         return
     if action.startswith("sleep:"):
-        import trio  # noqa: PLC0415 - only tests arm failpoints
+        import logging  # noqa: PLC0415 - only tests arm failpoints
 
+        import trio  # noqa: PLC0415
+
+        logging.getLogger("tierfs.failpoints").info("failpoint %s: pausing %s s", name, action[6:])
         await trio.sleep(float(action[6:]))
         return
     hit(name)

@@ -1393,6 +1393,7 @@ class Engine:
         fd = self._fd(e)
         await trio.to_thread.run_sync(os.fdatasync, fd)
         failpoints.hit("tier.rewrite")
+        await failpoints.pause("tier.rematerialise_synced")  # tests: the evictor runs while this waits
         if self.orphans.get(ino) is e:  # unlinked while open: no row to rewrite, the objects may simply go
             del self.orphans[ino]
             self._drop(e)
@@ -1478,6 +1479,7 @@ class Engine:
             rows = [dataclasses.replace(e, resident=bytearray(e.resident), pins=0) for e, _, _ in picked]
             await self._db(self.catalog.save_residency, rows)
             failpoints.hit("tier.evict")
+            await failpoints.pause("tier.evict_saved")  # tests: names change between the commit and the punches
             for e, gen, blocks in picked:
                 if e.generation == gen and self.is_live(e) and self.tiered.get(e.ino) is e:
                     try:
