@@ -13,6 +13,7 @@ SQLite work runs in worker threads.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import heapq
 import logging
@@ -20,6 +21,7 @@ import mmap
 import os
 import random
 import sqlite3
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +30,6 @@ from typing import Callable
 
 import crc32c
 import trio
-import dataclasses
 
 from tierfs import failpoints
 from tierfs.config import Config
@@ -707,32 +708,27 @@ class Engine:
         self._nursery.start_soon(fn, *args)
 
     async def _flush_through_mount(self, todo: list[tuple[str, int, tuple[int, int]]]) -> None:
-        """fsync quiet segments through the mount from a worker thread, so the kernel writes back every page
-        still dirty for them (as WRITEs to this daemon) before they are judged complete. Our own fsync handler
-        then records the flush and makes them candidates again."""
+        """fsync quiet segments through the mount, so the kernel writes back every page still dirty for them (as
+        WRITEs to this daemon) before they are judged complete; our own fsync handler then records the flush and
+        makes them candidates again. In a child process (tierfs.tier.flusher): never a daemon thread blocked on
+        its own mount."""
         if self.mountpoint is None:
             return
         for rel, ino, mark in todo:
             self._flushed[ino] = mark
-
-        def flush() -> list[str]:
-            failed = []
-            for rel, _, _ in todo:
-                try:
-                    fd = os.open(f"{self.mountpoint}/{rel}", os.O_RDONLY | os.O_NOFOLLOW)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                except FileNotFoundError:
-                    continue
-                except OSError as err:
-                    failed.append(f"{rel}: {err}")
-            return failed
-
-        failed = await trio.to_thread.run_sync(flush, abandon_on_cancel=True)
-        for what in failed:
-            log.warning("flushing quiet segment %s through the mount failed; will retry", what)
+        paths = b"\0".join(rel.encode("utf-8", "surrogateescape") for rel, _, _ in todo)
+        try:
+            done = await trio.run_process([sys.executable, "-P", "-m", "tierfs.tier.flusher", str(self.mountpoint)],
+                                          stdin=paths, capture_stdout=True, capture_stderr=True, check=False)
+        except OSError as err:
+            log.warning("could not start the segment flusher (%s); will retry", err)
+            for _, ino, _ in todo:
+                self._flushed.pop(ino, None)
+            return
+        for line in done.stdout.decode("utf-8", "replace").splitlines():
+            log.warning("flushing quiet segment %s through the mount failed; will retry", line.replace("\t", ": "))
+        if done.returncode:
+            log.warning("the segment flusher exited %d: %s", done.returncode, done.stderr.decode(errors="replace")[-500:])
         for rel, ino, _ in todo:
             self._seal_candidates.setdefault(rel, ino)
 
