@@ -47,3 +47,23 @@ install_python() {
   fi
   export PYSPARK_PYTHON="$PY" PYSPARK_DRIVER_PYTHON="$PY"
 }
+
+# Apache RocketMQ for the broker tests and bench/broker.py: Maven (and a JDK for javac) from apt when absent, then
+# each version's artifacts from Maven Central into ~/.m2 and its runtime classpath into
+# ~/.cache/tierfs/rocketmq/<version>/classpath (tests/brokerutil.py reads it). A version that does not resolve
+# stops the install: the broker tests must fail, never skip.
+install_rocketmq() {
+  command -v javac >/dev/null 2>&1 || apt_install default-jdk-headless
+  command -v mvn >/dev/null 2>&1 || apt_install maven
+  local cache="${TIERFS_ROCKETMQ_CACHE:-$HOME/.cache/tierfs/rocketmq}" v profile out
+  for v in $("$PY" -c 'import sys; sys.path.insert(0, "tests"); import brokerutil; print(*brokerutil.VERSIONS)'); do
+    out="$cache/$v/classpath"
+    [ -s "$out" ] && [ "$out" -nt "$REPO/tests/broker/pom.xml" ] && continue
+    log "resolving Apache RocketMQ $v with Maven (cached in ~/.m2)"
+    mkdir -p "$cache/$v"
+    profile=""; case "$v" in 5.*) profile="-Ptiered-store" ;; esac
+    mvn -q -B -f "$REPO/tests/broker/pom.xml" $profile "-Drocketmq.version=$v" dependency:build-classpath \
+      "-Dmdep.outputFile=$out.tmp" || { log "error: Apache RocketMQ $v did not resolve from Maven Central"; exit 1; }
+    mv "$out.tmp" "$out"
+  done
+}

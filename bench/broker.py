@@ -1,0 +1,153 @@
+"""A real RocketMQ broker (5.5.0) on native disk, on tierfs, and with RocketMQ's own tiered store plug-in, in
+one run with the same workload: produce throughput and p99 send latency, then a lagging consumer group reading
+everything from offset 0 after a broker restart, with the data evicted (tierfs) or read from the tier
+(plug-in, tieredStorageLevel=FORCE).
+
+    python bench/broker.py [--messages 40000] [--body 1024] [--json out.json]
+
+Ratios printed: produce tierfs/native (aim >= 0.9), p99 native/tierfs, lagging read tierfs/native (aim >= 0.7)
+and tierfs/plug-in (aim >= 1.0). CPU seconds of the broker (and of the tierfs daemon) per phase. The broker
+runs flushDiskType=SYNC_FLUSH in all three (tierfs seals only flushed segments, issue 10). Before the lagging
+read the broker is restarted and the store's files (and the plug-in's tier files) are dropped from the page
+cache with POSIX_FADV_DONTNEED, so no configuration reads from memory it kept from the produce phase.
+Needs the Maven artifacts that ./mount-scripts/test resolves (tests/brokerutil.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import _common as C  # noqa: E402
+import brokerutil as B  # noqa: E402
+
+VERSION = "5.5.0"
+TOPIC = "BENCH"
+QUEUES = 8
+CACHE = "8MiB"
+TIER_OPTS = (f"tiering.enabled=true,cache.max_bytes={CACHE},cache.block_bytes=256KiB,objectstore.chunk_bytes=1MiB,"
+             "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,compaction.enabled=false,"
+             f"broker.max_hash_slot_num={B.HASH_SLOTS},broker.max_index_num={B.INDEX_NUM}")
+
+
+def drop_cache(root: Path) -> None:
+    """POSIX_FADV_DONTNEED on every regular file under root (only this store's pages)."""
+    for p in root.rglob("*"):
+        if p.is_file() and ".tierfs" not in p.parts:
+            try:
+                C.evict(p)
+            except OSError:
+                pass
+
+
+def mostly_evicted(mount: C.TierfsMount) -> bool:
+    st = mount.status()
+    cl = [f for f in st["files"] if f["kind"] == "commitlog" and f["state"] == "tiered"]
+    return bool(cl) and st["totals"]["upload_backlog_files"] == 0 and \
+        sum(f["resident_bytes"] < f["size"] for f in cl) * 4 >= len(cl) * 3
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def run_config(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
+               extra: dict[str, object], mount: C.TierfsMount | None = None, tier_dir: Path | None = None) -> dict:
+    conf = rmq.broker_conf(store, **extra)
+    rmq.start_broker(conf)
+    rmq.client("topics", rmq.ns_addr, rmq.broker_addr, QUEUES, TOPIC)
+    cpu0 = B.cpu_seconds(rmq.broker.pid)
+    d0 = B.cpu_seconds(mount.pid) if mount else 0.0
+    prod = rmq.client("produce", rmq.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body, 64,
+                      base / f"acked-{name}", timeout=600)
+    if prod["acked"] != args.messages:
+        raise SystemExit(f"{name}: only {prod['acked']} of {args.messages} sends acknowledged: {prod}")
+    out = {"produce_msgs_s": args.messages / prod["secs"], "produce_MB_s": args.messages * args.body / prod["secs"]
+           / 1e6, "p99_ms": prod["p99_ms"], "produce_broker_cpu_s": B.cpu_seconds(rmq.broker.pid) - cpu0}
+    if mount:
+        out["produce_daemon_cpu_s"] = B.cpu_seconds(mount.pid) - d0
+        C.wait_until(lambda: mostly_evicted(mount), 120, "3/4 of the CommitLog segments tiered and evicted")
+    if tier_dir is not None:  # the plug-in uploads in the background: wait until its CommitLog stops growing
+        sizes = [-1]
+
+        def settled() -> bool:
+            sizes.append(tree_bytes(tier_dir))
+            return sizes[-1] >= args.messages * args.body and sizes[-1] == sizes[-2]
+        C.wait_until(settled, 120, "the tiered store plug-in holding every message")
+    rmq.stop_broker(signal.SIGTERM)
+    drop_cache(store)
+    if tier_dir is not None:
+        drop_cache(tier_dir)
+    rmq.start_broker(conf)
+    cpu0 = B.cpu_seconds(rmq.broker.pid)
+    d0 = B.cpu_seconds(mount.pid) if mount else 0.0
+    cons = rmq.client("consume", rmq.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body,
+                      f"lagging-{name}", base / f"acked-{name}", timeout=600)
+    if cons["bad"] or cons["missing"]:
+        raise SystemExit(f"{name}: the lagging read got wrong or missing messages: {cons}")
+    out.update(read_msgs_s=args.messages / cons["secs"], read_MB_s=cons["body_bytes"] / cons["secs"] / 1e6,
+               read_broker_cpu_s=B.cpu_seconds(rmq.broker.pid) - cpu0)
+    if mount:
+        out["read_daemon_cpu_s"] = B.cpu_seconds(mount.pid) - d0
+    rmq.stop_broker(signal.SIGKILL)
+    C.log(f"{name}: {out}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=40_000)
+    ap.add_argument("--body", type=int, default=1024, help="message body bytes")
+    ap.add_argument("--tmp", default=None, help="parent of the bench's temp dir (default $TMPDIR)")
+    ap.add_argument("--json", default="", help="write the figures here too")
+    args = ap.parse_args()
+    C.install_signal_handlers()
+    results: dict[str, dict] = {}
+    t0 = time.monotonic()
+    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
+        rmq = B.RocketMQ(VERSION, base / "home")
+        try:
+            rmq.start_namesrv()
+            native = base / "native"
+            native.mkdir()
+            results["native"] = run_config("native", rmq, native, args, base, {})
+            hot, mnt = base / "hot", base / "mnt"
+            hot.mkdir()
+            mnt.mkdir()
+            with C.TierfsMount(hot, mnt, [TIER_OPTS, f"objectstore.url=file://{base / 'objects'}"]) as mount:
+                results["tierfs"] = run_config("tierfs", rmq, mnt, args, base, {}, mount=mount)
+            plug_store, tier = base / "plugin-store", base / "plugin-tier"
+            plug_store.mkdir()
+            tier.mkdir()
+            results["plugin"] = run_config("plugin", rmq, plug_store, args, base, {
+                "messageStorePlugIn": "org.apache.rocketmq.tieredstore.TieredMessageStore",
+                "tieredBackendServiceProvider": "org.apache.rocketmq.tieredstore.provider.PosixFileSegment",
+                "tieredStoreFilePath": tier, "tieredStorageLevel": "FORCE", "tieredStoreGroupCommitTimeout": 1000,
+                "tieredStoreGroupCommitCount": 1000, "commitLogRollingInterval": 1}, tier_dir=tier)
+        finally:
+            rmq.close()
+    n, t, p = results["native"], results["tierfs"], results["plugin"]
+    ratios = {"produce tierfs/native": t["produce_msgs_s"] / n["produce_msgs_s"],
+              "p99 native/tierfs": n["p99_ms"] / t["p99_ms"] if t["p99_ms"] else 0.0,
+              "lagging read tierfs/native": t["read_msgs_s"] / n["read_msgs_s"],
+              "lagging read tierfs/plugin": t["read_msgs_s"] / p["read_msgs_s"]}
+    cols = ["produce_msgs_s", "produce_MB_s", "p99_ms", "read_msgs_s", "read_MB_s", "produce_broker_cpu_s",
+            "read_broker_cpu_s", "produce_daemon_cpu_s", "read_daemon_cpu_s"]
+    C.print_table(["config", *cols], [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in results.items()])
+    C.print_table(["ratio", "value", "aim"], [[k, f"{v:.2f}", a] for (k, v), a in
+                                             zip(ratios.items(), (">= 0.9", "", ">= 0.7", ">= 1.0"))])
+    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {time.monotonic() - t0:.0f} s")
+    if args.json:
+        C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
+                                 "results": results, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    main()

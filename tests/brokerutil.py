@@ -1,0 +1,281 @@
+"""A real Apache RocketMQ name server and broker, each its own JVM on 127.0.0.1, for the broker tests and
+bench/broker.py. Nothing here imports pytest or tierfs: it only starts, talks to and stops Java processes.
+
+The artifacts come from Maven Central through `tests/broker/pom.xml`; `./mount-scripts/test` resolves them once
+per version into ~/.m2 and writes each version's runtime classpath to `CACHE/<version>/classpath`
+(a missing one is a failure that says so, never a skip). The test client `tests/broker/BrokerClient.java` is
+compiled with javac at fixture time against the version under test. Every process is started in its own session and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+HERE = Path(__file__).resolve().parent / "broker"
+POM = HERE / "pom.xml"
+CLIENT_SRC = HERE / "BrokerClient.java"
+CACHE = Path(os.environ.get("TIERFS_ROCKETMQ_CACHE", Path.home() / ".cache" / "tierfs" / "rocketmq"))
+# 4.9.8 is not on Maven Central (only its rocketmq-broker pom is); 4.9.7 is the newest complete 4.9.x.
+# 5.5.1's rocketmq-client is missing there; 5.5.0 is the newest complete 5.x.
+VERSIONS = ("4.9.7", "5.5.0")
+CLUSTER = "TierfsCluster"
+BROKER_NAME = "broker-a"
+JVM_OPENS = [f"--add-opens=java.base/{p}=ALL-UNNAMED" for p in
+             ("java.nio", "sun.nio.ch", "java.lang", "java.util", "java.lang.reflect", "java.util.concurrent",
+              "jdk.internal.ref")] + ["--add-exports=java.base/jdk.internal.ref=ALL-UNNAMED"]  # 4.9 on Java 17
+
+_LOGBACK = """<configuration>
+  <appender name="F" class="ch.qos.logback.core.FileAppender">
+    <file>{log}</file>
+    <encoder><pattern>%d{{HH:mm:ss.SSS}} %-5level [%thread] %logger{{20}} - %msg%n</pattern></encoder>
+  </appender>
+  <root level="INFO"><appender-ref ref="F"/></root>
+</configuration>
+"""
+
+
+class BrokerError(AssertionError):
+    pass
+
+
+def classpath_file(version: str) -> Path:
+    return CACHE / version / "classpath"
+
+
+def classpath(version: str) -> str:
+    """The version's classpath, or a clear failure saying how to resolve it (never a skip)."""
+    f = classpath_file(version)
+    if not f.is_file():
+        raise BrokerError(f"Apache RocketMQ {version} is not resolved ({f} missing): run ./mount-scripts/test, "
+                          f"or mvn -f {POM} -Drocketmq.version={version} dependency:build-classpath "
+                          f"-Dmdep.outputFile={f}")
+    cp = f.read_text().strip()
+    missing = [j for j in cp.split(":") if j and not os.path.exists(j)]
+    if missing:
+        raise BrokerError(f"Apache RocketMQ {version}: {len(missing)} jars of {f} are gone from ~/.m2 "
+                          f"(e.g. {missing[0]}); run ./mount-scripts/test again")
+    return cp
+
+
+def client_classes(version: str) -> Path:
+    """Compile BrokerClient.java against this version's client (once per source hash); the class dir."""
+    digest = hashlib.sha256(CLIENT_SRC.read_bytes()).hexdigest()[:12]
+    out = CACHE / version / f"client-{digest}"
+    if not (out / "BrokerClient.class").is_file():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["javac", "-nowarn", "-encoding", "UTF-8", "-cp", classpath(version), "-d", str(tmp),
+                            str(CLIENT_SRC)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise BrokerError(f"javac BrokerClient.java against RocketMQ {version} failed:\n{r.stderr[-4000:]}")
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process compiled the same source first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def free_ports(n: int, gap: int = 3) -> list[int]:
+    """n ports each with `gap` free ports below it (a 4.9 broker also listens on listenPort - 2)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p in ports or p - gap < 1024:
+            continue
+        try:
+            for q in range(p - gap, p + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        ports.append(p)
+    return ports
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (from /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class JavaProcess:
+    """One JVM in its own session, stdout+stderr to a file; stopped by pid."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: Mapping[str, str]):
+        self.name, self.log = name, log
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                         env=dict(env), start_new_session=True)
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_output(self, marker: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in self.output():
+            if self.proc.poll() is not None:
+                raise BrokerError(f"{self.name} exited {self.proc.returncode} before {marker!r}:\n"
+                                  f"{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise BrokerError(f"{self.name} printed no {marker!r} in {timeout}s:\n{self.output()[-4000:]}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal by pid and wait; SIGKILL if SIGTERM did not end it in `timeout`. The exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+class RocketMQ:
+    """A name server plus one broker of one version, with their home (logs, ROCKETMQ_HOME) under `home`."""
+
+    def __init__(self, version: str, home: Path, heap: str = "512m", direct: str = "256m"):
+        self.version = version
+        self.cp = classpath(version)
+        self.classes = client_classes(version)
+        self.home = Path(home)
+        (self.home / "conf").mkdir(parents=True, exist_ok=True)
+        for part in ("broker", "namesrv", "tools"):  # 4.9 startup classes configure logback from these files
+            (self.home / "conf" / f"logback_{part}.xml").write_text(
+                _LOGBACK.format(log=self.home / "logs" / f"{part}.log"))
+        self.ns_port, self.port, self.ha_port = free_ports(3)
+        self.namesrv: JavaProcess | None = None
+        self.broker: JavaProcess | None = None
+        self.heap, self.direct = heap, direct
+        self.conf: dict[str, str] = {}
+        self.starts = 0
+
+    @property
+    def ns_addr(self) -> str:
+        return f"127.0.0.1:{self.ns_port}"
+
+    @property
+    def broker_addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _java(self, main: str, *args: str, heap: str, extra_cp: str = "") -> list[str]:
+        cp = f"{extra_cp}:{self.cp}" if extra_cp else self.cp
+        return ["java", "-server", f"-Xms{heap}", f"-Xmx{heap}", f"-XX:MaxDirectMemorySize={self.direct}",
+                "-XX:+UseG1GC", *JVM_OPENS, f"-Drocketmq.home.dir={self.home}", f"-Duser.home={self.home}",
+                "-Duser.timezone=UTC", "-Drocketmq.client.logRoot=" + str(self.home / "logs"),
+                "-cp", cp, main, *args]
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROCKETMQ")}
+        env["ROCKETMQ_HOME"] = str(self.home)
+        return env
+
+    def start_namesrv(self, timeout: float = 60) -> None:
+        conf = self.home / "namesrv.conf"
+        conf.write_text(f"listenPort={self.ns_port}\n")
+        self.namesrv = JavaProcess("name server", self._java("org.apache.rocketmq.namesrv.NamesrvStartup", "-c",
+                                                             str(conf), heap="256m"),
+                                   self.home / "namesrv.out", self._env())
+        self.namesrv.wait_output("boot success", timeout)
+
+    def broker_conf(self, store: Path, **overrides: object) -> dict[str, str]:
+        """broker.conf for a store at `store`: small segments, SYNC_FLUSH, ports of this instance."""
+        conf: dict[str, object] = dict(
+            brokerClusterName=CLUSTER, brokerName=BROKER_NAME, brokerId=0, brokerRole="ASYNC_MASTER",
+            brokerIP1="127.0.0.1", namesrvAddr=self.ns_addr, listenPort=self.port, haListenPort=self.ha_port,
+            storePathRootDir=store, storePathCommitLog=store / "commitlog",
+            mappedFileSizeCommitLog=4 << 20, mappedFileSizeConsumeQueue=20 * 6000,
+            maxIndexNum=INDEX_NUM, maxHashSlotNum=HASH_SLOTS, flushDiskType="SYNC_FLUSH",
+            flushIntervalConsumeQueue=200, flushConsumeQueueThoroughInterval=1000,
+            flushCommitLogThoroughInterval=1000, autoCreateTopicEnable="false", syncFlushTimeout=10_000,
+            waitTimeMillsInSendQueue=10_000,  # no "broker busy" flow control on a loaded 2-core machine
+            deleteWhen="04", fileReservedTime=72, diskMaxUsedSpaceRatio=95, cleanResourceInterval=1000,
+            mappedFileSizeTimerLog=TIMERLOG_BYTES, timerMaxDelaySec=3600,
+        )
+        conf.update(overrides)
+        return {k: str(v) for k, v in conf.items()}
+
+    def start_broker(self, conf: Mapping[str, str], timeout: float = 120) -> JavaProcess:
+        assert self.broker is None or self.broker.proc.poll() is not None, "a broker is already running"
+        self.conf = dict(conf)
+        path = self.home / "broker.conf"
+        path.write_text("".join(f"{k}={v}\n" for k, v in conf.items()))
+        self.starts += 1
+        self.broker = JavaProcess(f"broker ({self.version})", self._java(
+            "org.apache.rocketmq.broker.BrokerStartup", "-c", str(path), heap=self.heap),
+            self.home / f"broker.{self.starts}.out", self._env())
+        self.broker.wait_output("boot success", timeout)
+        return self.broker
+
+    def stop_broker(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        if self.broker is None:
+            return None
+        return self.broker.stop(sig, timeout)
+
+    def broker_log(self) -> str:
+        """The broker's store log (4.9: logs/broker.log; 5.x: logs/rocketmqlogs/store.log)."""
+        parts = []
+        for p in (self.home / "logs" / "broker.log", self.home / "logs" / "rocketmqlogs" / "store.log",
+                  self.home / "logs" / "rocketmqlogs" / "broker.log"):
+            if p.is_file():
+                parts.append(p.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def client(self, *args: object, timeout: float = 300, heap: str = "256m") -> dict:
+        """Run BrokerClient with args; its JSON result line. Raises with its output on failure. Admin calls
+        and queries are short: C1 only and the serial GC keep their JVM from competing with the broker."""
+        argv = self._java("BrokerClient", *[str(a) for a in args], heap=heap, extra_cp=str(self.classes))
+        if args[0] not in ("produce", "consume"):
+            argv = [{"-XX:+UseG1GC": "-XX:+UseSerialGC"}.get(a, a) for a in argv]
+            argv.insert(1, "-XX:TieredStopAtLevel=1")
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self._env(),
+                               start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            raise BrokerError(f"BrokerClient {args[0]} ran past {timeout}s: {e.stdout!r} {e.stderr!r}") from None
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode != 0 or not lines:
+            raise BrokerError(f"BrokerClient {' '.join(map(str, args))} exited {r.returncode}:\n"
+                              f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+        return json.loads(lines[-1])
+
+    def close(self) -> None:
+        """Kill the broker then the name server by pid (SIGKILL: the store is thrown away, and a 5.x broker's
+        graceful shutdown takes 10-20 s)."""
+        for p in (self.broker, self.namesrv):
+            if p is not None:
+                p.stop(signal.SIGKILL, 30)
+
+
+# Segment geometry shared by broker.conf and the tierfs options (tierfs must know the IndexFile size).
+INDEX_NUM = 20_000
+HASH_SLOTS = 5_000
+TIMERLOG_BYTES = 52 * 5_000  # TimerLog units are 52 bytes; a segment ends with a roll blank
