@@ -6,8 +6,9 @@ the broker takes 200,000 messages over 4 topics x 4 queues with small segments (
 ConsumeQueue and IndexFile segments are evicted before anything reads them. The Java client
 (tests/broker/BrokerClient.java) checks every body and property a consumer gets against what was sent.
 
-The broker runs with flushDiskType=SYNC_FLUSH: tierfs seals a segment only once it was flushed after its last
-write (issue 10, finding 3), and SYNC_FLUSH is also what makes "acknowledged" mean "on the hot disk".
+The broker runs with flushDiskType=SYNC_FLUSH: that is what makes "acknowledged" mean "on the hot disk", which
+scenario 3 checks. (Sealing no longer depends on it: the daemon flushes quiet segments itself, issue 10 finding
+3, tested with a writer that never fsyncs in test_engine_core.py.)
 The hot dir is a tmpfs of its own (as on a broker host whose store disk is dedicated), so the disk ratio the
 broker reads through statfs is the store's alone; the object store (posix) is on the ordinary disk.
 """
