@@ -240,6 +240,9 @@ class Snapshotter:
         self._blob_sets: dict[int, set[str]] = {}
         self._key_sets: dict[int, set[str]] = {}  # segment objects each kept snapshot names
         self._refs_known = False  # _key_sets covers every kept snapshot (after the first prune pass)
+        # due object deletes wait for kept snapshots that name them: the next periodic snapshot is then taken even
+        # if nothing changed, so the old ones roll out of the KEEP newest and the deletes can proceed
+        self.roll_requested = False
         self._last_digest: bytes | None = None
         self._zero: dict[int, tuple[str, bytes]] = {}
         self._mutex = threading.Lock()  # _known, counters and _zero, shared by the uploading threads
@@ -260,7 +263,7 @@ class Snapshotter:
             return
         while True:
             await trio.sleep(interval)
-            await self._take_logged("periodic")
+            await self._take_logged("periodic", force=self.roll_requested)
 
     async def final(self) -> None:
         """The snapshot at a clean unmount, bounded so the daemon still exits when the store is down."""
@@ -270,13 +273,15 @@ class Snapshotter:
             log.error("the catalog snapshot at unmount did not finish within %.0f s; read-only mounts will see "
                       "the previous snapshot", FINAL_TIMEOUT_S)
 
-    async def _take_logged(self, reason: str) -> None:
+    async def _take_logged(self, reason: str, force: bool = False) -> None:
         if not self.eng.store_writable():
             log.warning("%s catalog snapshot skipped: the writer lease is not held", reason)
             return
         try:
-            await self.take(reason)
+            await self.take(reason, force)
             self.last_error = ""
+            if force:
+                self.roll_requested = False
         except (ObjectStoreError, OSError, sqlite3.Error, SnapshotError) as e:
             self.last_error = f"{reason} snapshot: {e}"
             log.warning("catalog snapshot failed (%s); will try again", self.last_error)
@@ -286,8 +291,8 @@ class Snapshotter:
 
     # ------------------------------------------------------------------ one snapshot
 
-    async def take(self, reason: str) -> dict | None:
-        """Take, upload and publish one snapshot; None when it would equal the previous one."""
+    async def take(self, reason: str, force: bool = False) -> dict | None:
+        """Take, upload and publish one snapshot; None when it would equal the previous one (unless forced)."""
         async with self._lock:
             t0 = time.monotonic()
             started = time.time()
@@ -327,7 +332,7 @@ class Snapshotter:
                 del self._files[rel]
             rows, digest, used = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree,
                                                                blob_prefix(self.sid))
-            if digest == self._last_digest:
+            if digest == self._last_digest and not force:
                 tmp.unlink(missing_ok=True)
                 self.skipped += 1
                 log.debug("%s catalog snapshot skipped: nothing changed since seq %s", reason, self._seq)
@@ -553,9 +558,13 @@ class Snapshotter:
         object it names, so the writer deletes an object only once every snapshot naming it is pruned. Until
         this process has read the kept snapshots once, nothing is deleted."""
         if not self._refs_known:
+            self.roll_requested = bool(keys)
             return []
         named: set[str] = set().union(*self._key_sets.values()) if self._key_sets else set()
-        return [k for k in keys if k not in named]
+        free = [k for k in keys if k not in named]
+        if len(free) < len(keys):
+            self.roll_requested = True
+        return free
 
     def _keys_of(self, seq: int) -> set[str]:
         """Every object a kept snapshot names (segment objects and blobs): read its .db."""
