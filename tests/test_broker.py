@@ -367,11 +367,11 @@ def test_retention_through_the_mount(env: Env):
     with timed(report, "retention by time"):
         rmq.client("config", rmq.ns_addr, rmq.broker_addr, "fileReservedTime=0", "diskMaxUsedSpaceRatio=95",
                    f"deleteWhen={now:02d};{(now + 1) % 24:02d}")
-        wait_for(lambda: len(list((env.mnt / "commitlog").iterdir())) == 1, 120, 0.5,
+        wait_for(lambda: len(list((env.mnt / "commitlog").iterdir())) == 1, 360, 0.5,
                  what="the broker deleting all CommitLog segments but the last")
         last = next((env.mnt / "commitlog").iterdir()).name
         seg_objects = env.objects / store_id / "seg" / "commitlog"
-        wait_for(lambda: not [p for p in seg_objects.rglob("*") if p.is_file() and last not in p.parts], 60, 0.5,
+        wait_for(lambda: not [p for p in seg_objects.rglob("*") if p.is_file() and last not in p.parts], 240, 0.5,
                  what="objects of deleted CommitLog segments removed after the grace period")
     listed = [f["path"] for f in env.status()["files"] if f["kind"] == "commitlog"]
     assert all(p.endswith(last) for p in listed), listed
