@@ -161,11 +161,12 @@ class Catalog:
             top = max(db.execute("SELECT coalesce(max(generation), 0), coalesce(max(file_id), 0) FROM files")
                       .fetchone())
             top = max(top, db.execute("SELECT coalesce(max(generation), 0) FROM artifacts").fetchone()[0])
-            for (key,) in db.execute("SELECT key FROM pending_deletes"):
-                m = _KEY_GENERATION.search(key)
-                if m:
-                    top = max(top, int(m.group(1)))
             r = db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()
+            if r is None:  # first mount of this version: queued deletes may name generations of deleted rows
+                for (key,) in db.execute("SELECT key FROM pending_deletes"):
+                    m = _KEY_GENERATION.search(key)
+                    if m:
+                        top = max(top, int(m.group(1)))
             nxt = max(int(r[0]) if r else 1, top + 1)
             unnumbered = [p for (p,) in db.execute("SELECT path FROM files WHERE file_id=0")]
             db.executemany("UPDATE files SET file_id=? WHERE path=?", [(nxt + i, p) for i, p in enumerate(unnumbered)])

@@ -332,6 +332,7 @@ class Engine:
             held = self.catalog.release_held_deletes(now + grace)
             if held:
                 log.info("%d object deletes held for files open at the last unmount fall due in %.0f s", held, grace)
+        unnumbered: list[Entry] = []  # a read-only cache's rows come from snapshot files: ids are assigned here
         for e in self.catalog.load_all():
             try:
                 st = os.lstat(self.hot / e.path)
@@ -349,12 +350,12 @@ class Engine:
                             e.generation)
                 self.catalog.remove(e.path, e.objects, now + grace, artifacts=("cidx",))
                 continue
-            if not e.file_id or e.file_id in self.files:  # a read-only cache's rows come from snapshot files
-                e.file_id = self.catalog.allocate(1)
-                self.catalog.put(e)
             e.ino = st.st_ino
-            self.files[e.file_id] = e
             self.entries[e.path] = e
+            if not e.file_id or e.file_id in self.files:
+                unnumbered.append(e)
+            else:
+                self.files[e.file_id] = e
             if e.state in (State.SEALED, State.UPLOADING):
                 self._upload_queue.push(e.path, e.mtime_ns)
             elif e.state is State.TIERED:
@@ -362,6 +363,12 @@ class Engine:
                     e.resident = bytearray((e.nblocks + 7) // 8)
                 self.tiered[st.st_ino] = e
                 self.cache_bytes += e.resident_bytes()
+        if unnumbered:  # one allocation and one transaction, not a synchronous commit per row
+            first = self.catalog.allocate(len(unnumbered))
+            for i, e in enumerate(unnumbered):
+                e.file_id = first + i
+                self.files[e.file_id] = e
+            self.catalog.put_many(unnumbered, [], 0.0)
         log.info("catalog: %d rows, %d tiered, %d to upload, %d deletes pending", len(self.entries),
                  len(self.tiered), len(self._upload_queue), self.catalog.pending_delete_count())
 
@@ -499,10 +506,6 @@ class Engine:
         if classify(rel).is_segment:
             self._seal_candidates[rel] = ino
 
-    def tiered_entry(self, ino: int) -> Entry | None:
-        """The entry a read of this inode must go through (tiered bytes may be holes locally), or None."""
-        return self.tiered.get(ino)
-
     async def truncate_barrier(self, ino: int) -> None:
         """Called before any truncate: wait while a seal probe reads the file, so the probe never maps pages
         that a truncate is removing (a SIGBUS in the daemon)."""
@@ -517,6 +520,7 @@ class Engine:
         self._refused.pop(rel, None)
         self._unsealed.pop(rel, None)
         self._seal_candidates.pop(rel, None)
+        self._flushed.pop(ino, None)
         e = self.entries.get(rel)
         if e is None or (e.ino and e.ino != ino):
             return
