@@ -271,6 +271,8 @@ class TierOperations(pyfuse3.Operations):
                 if t is not None:
                     await self.engine.before_truncate(t, inode, attr.st_size)
                 self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
+            if self.engine is not None and self.engine.appendlog is not None:
+                self.engine.appendlog.note_truncate(inode, attr.st_size)
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -513,6 +515,8 @@ class TierOperations(pyfuse3.Operations):
             if t is not None and not await self.engine.before_write(t, ino, off, buf):
                 return len(buf)  # identical rewrite of tiered bytes: nothing changes
             self.engine.note_write(ino)
+        if self.engine is not None and self.engine.appendlog is not None:  # continuous tiering: what is new
+            self.engine.appendlog.note_write(self._fh_inode[fh], rel, off, len(buf))
         if not self.enable_writeback_cache:
             n = os.pwrite(fh, buf, off)
         else:

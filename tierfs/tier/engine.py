@@ -45,6 +45,8 @@ from tierfs.tier.compaction import Compactor
 from tierfs.tier import snapshot
 from tierfs.tier import storeconfig
 from tierfs.tier.lease import WriterLease
+from tierfs.tier.appendlog import AppendLog
+from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
 from tierfs.tier.readahead import ReadAhead
 
@@ -197,7 +199,8 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, hot_dir: Path, state_dir: Path, config: Config, read_only: bool = False):
+    def __init__(self, hot_dir: Path, state_dir: Path, config: Config, read_only: bool = False,
+                 takeover: TakeoverSpec | None = None):
         self.hot = hot_dir
         self.state_dir = state_dir
         self.config = config
@@ -217,6 +220,10 @@ class Engine:
         self.read_only = read_only
         self.snapshot_info = snapshot.prepare_readonly(self.store, self.store_id, hot_dir, state_dir) \
             if read_only else {}
+        # --takeover (tierfs.tier.takeover): the lease, then the hot dir and catalog from the newest point
+        self.takeover_info = prepare_takeover(self.store, self.store_id, hot_dir, state_dir, takeover,
+                                              float(config["lease.ttl_seconds"]),
+                                              float(config["delete.grace_seconds"])) if takeover else {}
         self.catalog = Catalog(state_dir / "catalog.db")
         self.lease: WriterLease | None = None  # writable mounts: set by take_lease() before serving
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
@@ -270,6 +277,9 @@ class Engine:
         self.compactor = Compactor(self)
         # no snapshots into the embedded default store: it lives in the hot dir, where no reader can reach it
         self.snapshotter = snapshot.Snapshotter(self) if not read_only and config["objectstore.url"] else None
+        # continuous tiering of active files (tierfs.tier.appendlog): needs the snapshots that name them
+        self.appendlog = AppendLog(self) if self.snapshotter is not None and self.enabled \
+            and float(config["tiering.rpo_seconds"]) > 0 else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -401,6 +411,8 @@ class Engine:
             nursery.start_soon(self._supervise, "lease", self.lease.run, self.limiter)
         if self.snapshotter is not None:
             nursery.start_soon(self._supervise, "snapshotter", self.snapshotter.run)
+        if self.appendlog is not None:
+            nursery.start_soon(self._supervise, "appendlog", self.appendlog.run)
         nursery.start_soon(self._supervise, "sealer", self._sealer_loop)
         nursery.start_soon(self._supervise, "upload-sweep", self._sweep_stale_uploads)
         if self.upload_limit is not None:
@@ -481,7 +493,9 @@ class Engine:
 
     async def shutdown(self) -> None:
         await self._persist_residency()
-        if self.snapshotter is not None and self.enabled:
+        if self.appendlog is not None:
+            await self.appendlog.final()  # append objects, then the snapshot naming them
+        elif self.snapshotter is not None and self.enabled:
             await self.snapshotter.final()  # read-only mounts anywhere see the store as of this unmount
         if self.lease is not None:
             with trio.move_on_after(10):  # a store that does not answer must not hold the unmount up
@@ -1552,11 +1566,18 @@ class Engine:
                 if not keys:
                     continue
                 self._fence(keys[0])
-                await self._io(self.store.delete_many, keys)
+                await self._io(self._fenced_delete, keys)
                 await self._db(self.catalog.deleted, keys)
                 log.info("deleted %d objects", len(keys))
             except (ObjectStoreError, sqlite3.Error) as err:
                 log.warning("object deletes failed (%s); will retry", err)
+
+    def _fenced_delete(self, keys: list[str]) -> None:
+        """Blocking: delete objects only while the store itself says the lease epoch is ours (a writer taken
+        over meanwhile must not delete what the new one serves)."""
+        if self.lease is not None:
+            self.lease.verify()
+        self.store.delete_many(keys)
 
     def release_stream(self, fh: int) -> None:
         self.streams.pop(fh, None)
