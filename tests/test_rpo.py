@@ -119,6 +119,12 @@ def test_takeover_after_kill9_and_lost_hot_dir(tmp_path, mount_store, cleanup_li
     wait_round_after(a, t1)
     st = status(a)["rpo"]
     assert st["append_puts"] > 0 and st["rounds"] >= 1, st
+    assert st["lag_max_s"] < 60 and set(st["lag_s"]) <= {"commitlog", "consumequeue", "index", "mutable"}, st
+    text = a.cli("status", str(a.mnt)).stdout
+    assert "achieved RPO" in text, text
+    metrics = (a.ctl / "metrics").read_text()
+    assert re.search(r'^tierfs_rpo_lag_seconds\{kind="commitlog"\} [0-9.e+-]+$', metrics, re.M), metrics[-3000:]
+    assert re.search(r"^tierfs_append_objects_total [1-9]", metrics, re.M)
     a.kill(signal.SIGKILL)
     prod.kill()
     prod.wait(timeout=30)
@@ -169,6 +175,43 @@ def test_old_writer_fenced_after_takeover(tmp_path, mount_store, cleanup_list):
     assert snap.read_pointer(store, "rpo2").writer == b_writer
     assert consume(b.mnt, "--recover", "--check-keys", "100")["messages"] >= n1
     assert "refused" in a.log_text() or a.status()["rpo"]["last_error"]
+
+
+# ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)
+
+
+def test_s3_store_failing_midstream_then_takeover(tmp_path, mount_store, cleanup_list, rgw, fault_proxy):
+    """The object store fails and recovers while the producer runs (503s, then resets after the server acted on a
+    PUT: an append object that landed while its writer thinks it failed): rounds fail without blocking the next,
+    and a takeover sees no gap and no duplicate (the consumer checks consecutive message numbers, queue offsets
+    and physical offsets of every record)."""
+    bucket = "tier-rpo"
+    rgw.make_bucket(bucket)
+    creds = (f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+             f"objectstore.addressing=path,objectstore.max_attempts=1,objectstore.read_timeout_seconds=3")
+    opts = [TIER_OPTS, f"objectstore.url=s3://{bucket}/stores,store.id=rpo3,tiering.rpo_seconds={RPO},"
+                       f"lease.ttl_seconds=60,upload.retry_max_seconds=2,compaction.enabled=false,{creds},"
+                       f"objectstore.endpoint_url={fault_proxy.endpoint_url}"]
+    a = mount_store(options=opts)
+    prod = start_producer(a.mnt)
+    cleanup_list.append(prod)
+    wait_for(lambda: status(a)["rpo"]["rounds"] >= 2, timeout=60, what="two rounds")
+    for mode, kw in (("error", {"status": 503, "code": "SlowDown"}), ("reset", {"phase": "response"})):
+        before = status(a)["rpo"]["failed_rounds"]
+        fault_proxy.set(mode, methods=["PUT"], probability=0.5, count=1000, **kw)
+        wait_for(lambda: status(a)["rpo"]["failed_rounds"] >= before + 2, timeout=90, what=f"rounds failing ({mode})")
+        fault_proxy.set("pass")
+    n1, t1 = written_now(a)
+    wait_round_after(a, t1, timeout=90)
+    a.kill(signal.SIGKILL)
+    prod.kill()
+    prod.wait(timeout=30)
+    shutil.rmtree(a.hot)
+    direct = [o.replace(fault_proxy.endpoint_url, rgw.endpoint_url) for o in opts]
+    b, _ = takeover(tmp_path, f"s3://{bucket}/stores/rpo3", direct, "b")
+    cleanup_list.append(b)
+    got = consume(b.mnt, "--recover", "--check-keys", "200")
+    assert got["ok"] and got["messages"] >= n1, (got, n1)
 
 
 def test_rpo_config_is_documented():

@@ -279,11 +279,12 @@ class AppendLog:
             # means the previous one already holds it)
             self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0}
             await trio.to_thread.run_sync(self._collect, limiter=eng.limiter)
-        except (ObjectStoreError, OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - never let a round take the daemon (or its unmount) down
             self.failed_rounds += 1
-            self.last_error = f"{time.strftime('%H:%M:%S')}: {e}"
+            self.last_error = f"{time.strftime('%H:%M:%S')}: {type(e).__name__}: {e}"
             log.warning("continuous upload round failed (%s); the next round starts from the last committed "
-                        "offsets", e)
+                        "offsets", self.last_error, exc_info=not isinstance(e, (ObjectStoreError, OSError,
+                                                                                ValueError)))
             return False
         self.rounds += 1
         self.last_error = ""

@@ -165,7 +165,9 @@ class WriterLease:
         """Take the lease or raise LeaseHeld. `force` (a takeover's --force) names the live holder to override:
         it must be the holder in force, so a takeover never overrides a writer its operator did not name.
         ObjectStoreError when the store cannot be reached. Blocking."""
-        if self.fenced:
+        if self.fenced:  # never again in this daemon's life
+            if self.other is not None:
+                raise LeaseHeld(self.store.url, self.store_id, self.other, time.time())
             raise ObjectStoreError(lease_prefix(self.store_id), f"refused: {self.last_error}; remount to write again")
         for _ in range(5):
             cur = self.current()
@@ -177,7 +179,7 @@ class WriterLease:
                 log.error("FENCED: writer lease epoch %d of store id %s was taken over by %s (epoch %d); this "
                           "mount's object puts, deletes and snapshots are refused", self.epoch, self.store_id,
                           cur.holder, cur.epoch)
-                raise ObjectStoreError(lease_prefix(self.store_id), f"refused: {self.last_error}")
+                raise LeaseHeld(self.store.url, self.store_id, cur, now)
             if cur is not None and cur.live(now) and cur.holder != self.id:
                 if force is None or force != cur.holder:
                     self.other = cur
