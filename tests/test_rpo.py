@@ -48,6 +48,20 @@ class TakeoverMount(Mount):
         return cmd
 
 
+class FollowMount(Mount):
+    """`tierfs mount --read-only --follow --from URL --cache-dir CACHE MNT`."""
+
+    def __init__(self, url: str, cache: Path, mnt: Path, options=()):
+        super().__init__(Path(cache) / "tree", mnt, options=options)
+        self.url, self.cache = url, Path(cache)
+
+    def mount_args(self) -> list[str]:
+        cmd = ["mount", "--read-only", "--follow", "--from", self.url, "--cache-dir", str(self.cache), str(self.mnt)]
+        for o in self.options:
+            cmd += ["-o", o]
+        return cmd
+
+
 def status(m: Mount) -> dict:
     return json.loads((m.mnt / ".tierfs" / "status.json").read_text())
 
@@ -175,6 +189,37 @@ def test_old_writer_fenced_after_takeover(tmp_path, mount_store, cleanup_list):
     assert snap.read_pointer(store, "rpo2").writer == b_writer
     assert consume(b.mnt, "--recover", "--check-keys", "100")["messages"] >= n1
     assert "refused" in a.log_text() or a.status()["rpo"]["last_error"]
+
+
+def test_following_reader_sees_new_messages_within_the_rpo(tmp_path, mount_store, cleanup_list):
+    """A `--read-only --follow` mount, made before the producer starts, sees every message the writer has within
+    a bounded time after it was written (the writer's round plus the follower's refresh), and keeps serving the
+    sealed, tiered and evicted segments; it refreshes incrementally (only new append objects are applied)."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo4,tiering.rpo_seconds={RPO}"]
+    a = mount_store(options=opts)
+    (a.mnt / "config").mkdir()
+    (a.mnt / "config" / "topics.json").write_text("{}")
+    wait_round_after(a, time.time())
+    r = FollowMount(f"file://{objects}/rpo4", tmp_path / "cache", tmp_path / "romnt",
+                    options=[f"tiering.rpo_seconds={RPO}"])
+    (tmp_path / "romnt").mkdir()
+    cleanup_list.append(r)
+    r.mount()
+    assert (r.mnt / "config" / "topics.json").read_text() == "{}"
+    subprocess.run([sys.executable, str(PRODUCER), str(a.mnt), *SMALL, "--messages", "4000", "--topics", "2"],
+                   check=True, capture_output=True, timeout=120)
+    done = time.monotonic()
+    wait_for(lambda: (r.mnt / "checkpoint").exists() and consume(r.mnt, "--recover", "--check-keys", "0")["messages"]
+             == 4000, timeout=60, interval=0.5, what="the follower to see all 4000 messages")
+    seen_after = time.monotonic() - done
+    print(f"follower saw all messages {seen_after:.1f} s after the producer finished (rpo {RPO} s)")
+    assert seen_after < 4 * RPO + 20
+    got = consume(r.mnt, "--expect-messages", "4000", "--check-keys", "200")
+    assert got["ok"] and got["messages"] == 4000
+    st = status(r)
+    assert st["follow"]["refreshes"] >= 1 and st["read_only"], st["follow"]
 
 
 # ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)

@@ -28,6 +28,8 @@ def _fail(msg: str, code: int = 2) -> int:
 def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
     """(hot dir, mountpoint) of a mount. `--read-only --from URL MOUNTPOINT`: the store comes from the bucket's
     newest catalog snapshot, and the hot dir is a local cache of it (CACHE_DIR/tree); config gets the store."""
+    if args.follow and not args.read_only:
+        raise ValueError("--follow goes with --read-only (a reader that refreshes from the bucket)")
     if args.force and not args.takeover:
         raise ValueError("--force goes with --takeover (it names the lease holder a takeover overrides)")
     if args.takeover:
@@ -91,7 +93,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         try:
             return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True,
-                         read_only=args.read_only, takeover=args.takeover, takeover_force=args.force)
+                         read_only=args.read_only, takeover=args.takeover, takeover_force=args.force,
+                         follow=args.follow)
         except MountError as e:
             return _fail(str(e))
     log_file = paths.log_file(config)
@@ -101,6 +104,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-P", "-m", "tierfs", "mount", str(paths.hot), str(paths.mountpoint), "--foreground"]
     if args.read_only:
         cmd[5:6] = ["--read-only", "--from", args.from_url, "--cache-dir", str(paths.hot.parent)]
+        if args.follow:
+            cmd.append("--follow")
     if args.takeover:
         cmd += ["--takeover", "--from", args.from_url] + (["--force", args.force] if args.force else [])
     if args.config:
@@ -225,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the newest catalog snapshot of a store from the object store alone (EROFS on writes)")
     m.add_argument("--from", dest="from_url", metavar="URL",
                    help="with --read-only or --takeover: file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+    m.add_argument("--follow", action="store_true",
+                   help="with --read-only: refresh from the bucket's newest consistent point every "
+                        "tiering.rpo_seconds")
     m.add_argument("--takeover", action="store_true",
                    help="with --from: a writable mount of a lost writer's store on a new, empty HOT_DIR, from the "
                         "bucket's newest consistent point (takes the writer lease once it expired)")

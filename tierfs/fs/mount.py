@@ -228,7 +228,8 @@ def raise_fd_limit() -> tuple[int, int]:
 
 
 def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = True,
-          read_only: bool = False, takeover_force: str | None = None, takeover: bool = False) -> int:
+          read_only: bool = False, takeover_force: str | None = None, takeover: bool = False,
+          follow: bool = False) -> int:
     """Mount and serve until unmounted or signalled. Returns the process exit code. `read_only`: HOT_DIR is the
     cache of a mount from the bucket's newest catalog snapshot (objectstore.url and store.id name the store)."""
 
@@ -261,7 +262,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
             from tierfs.tier.takeover import TakeoverSpec  # noqa: PLC0415
 
             spec = TakeoverSpec(takeover_force, str(paths.mountpoint)) if takeover else None
-            engine = Engine(paths.hot, paths.state, config, read_only=read_only, takeover=spec)
+            engine = Engine(paths.hot, paths.state, config, read_only=read_only, takeover=spec, follow=follow)
             if not read_only:
                 engine.take_lease(paths.mountpoint)  # one writable mount per store id
         except (ValueError, LeaseHeld) as e:  # ConfigError, bad store settings or snapshot, a lease held elsewhere

@@ -124,6 +124,8 @@ def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with
         "rpo": ops.engine.appendlog.status() if ops.engine is not None and getattr(ops.engine, "appendlog", None)
         is not None else {},
         "takeover": dict(getattr(ops.engine, "takeover_info", {}) or {}) if ops.engine is not None else {},
+        "follow": ops.engine.follower.status() if ops.engine is not None and getattr(ops.engine, "follower", None)
+        is not None else {},
         "workers": {"restarts": dict(ops.engine.workers.restarts), "last_error": dict(ops.engine.workers.last_error)}
         if ops.engine is not None else {},
     }

@@ -46,6 +46,7 @@ from tierfs.tier import snapshot
 from tierfs.tier import storeconfig
 from tierfs.tier.lease import WriterLease
 from tierfs.tier.appendlog import AppendLog
+from tierfs.tier.follow import Follower
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
 from tierfs.tier.readahead import ReadAhead
@@ -200,7 +201,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, hot_dir: Path, state_dir: Path, config: Config, read_only: bool = False,
-                 takeover: TakeoverSpec | None = None):
+                 takeover: TakeoverSpec | None = None, follow: bool = False):
         self.hot = hot_dir
         self.state_dir = state_dir
         self.config = config
@@ -280,6 +281,8 @@ class Engine:
         # continuous tiering of active files (tierfs.tier.appendlog): needs the snapshots that name them
         self.appendlog = AppendLog(self) if self.snapshotter is not None and self.enabled \
             and float(config["tiering.rpo_seconds"]) > 0 else None
+        # --read-only --follow (tierfs.tier.follow): the newest consistent point, every rpo_seconds
+        self.follower = Follower(self) if read_only and follow else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -404,6 +407,8 @@ class Engine:
         self._nursery = nursery
         if self.read_only:
             nursery.start_soon(self._supervise, "evictor", self._evictor_loop)  # fetch, read-ahead and evict
+            if self.follower is not None:
+                nursery.start_soon(self._supervise, "follow", self.follower.run)
             return
         if not self.enabled:
             return
