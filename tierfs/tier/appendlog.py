@@ -4,17 +4,18 @@ Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with 
 
 1. dirty kernel pages of every file that is not tiered are written back by an fsync through the mount, from a
    child process (tierfs.tier.flusher: a daemon thread must never do I/O on its own mount);
-2. each active append-only segment (CommitLog, ConsumeQueue, timer log) uploads the bytes written since its
-   last upload as one *append object* named by start offset and length,
-   `<store-id>/tail/<incarnation>/<file no>/<start, 16 digits>-<length, 12 digits>.<upload no>`, crc32c in its
-   metadata. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one starts again at the
-   last committed offset (no need to ask how much of the failed one landed: every upload has its own key, so a
-   late one can never overwrite what a snapshot names). A rewrite below the committed offset (recovery
-   truncating a dirty tail) starts the next object there; objects are applied in upload order, so a later
-   object wins where two overlap;
-3. the catalog snapshot (tierfs.tier.snapshot) goes last: mutable files (checkpoint, config/*, IndexFiles) as
-   its content-addressed blobs, active segments as their append objects (table `snapshot_tails`), sealed ones
-   as their segment objects; its pointer is the last write, so a reader only ever sees a complete point.
+2. each segment that is not tiered uploads what was written to it since its last upload as *append objects*
+   named by start offset and length,
+   `<store-id>/tail/<incarnation>/<file no>/<start, 16 digits>-<length, 12 digits>.<upload no>`, crc32c in their
+   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset,
+   for every kind the ranges the daemon saw written (an IndexFile's hash slots, a recovery rewriting a tail),
+   merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
+   starts again at the last committed offset with the failed ranges (no need to ask how much of the failed one
+   landed: every upload has its own key, so a late one can never overwrite what a snapshot names). Objects are
+   applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired;
+3. the catalog snapshot (tierfs.tier.snapshot) goes last: mutable files (checkpoint, config/*) as its
+   content-addressed blobs, active segments as their append objects (table `snapshot_tails`), sealed ones as
+   their segment objects; its pointer is the last write, so a reader only ever sees a complete point.
 
 A segment that becomes TIERED no longer needs its append objects: they are retired and deleted once no kept
 snapshot names them and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import stat
 import sys
@@ -55,6 +55,7 @@ log = logging.getLogger("tierfs.appendlog")
 APPEND_KINDS = frozenset((Kind.COMMITLOG, Kind.CONSUMEQUEUE, Kind.BATCHCONSUMEQUEUE, Kind.CONSUMEQUEUE_EXT,
                           Kind.TIMERLOG))
 MAX_OBJECT = 64 << 20  # one append object at most: a first upload of a long tail goes in pieces
+GAP = 64 << 10  # written ranges closer than this go up as one object
 _ZERO_SCAN = 1 << 20
 FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 TAILS_SCHEMA = """
@@ -81,14 +82,34 @@ class TailObject:
 
 @dataclass
 class Tail:
-    """One active append-only file: what of it the bucket holds."""
+    """One active segment: what of it the bucket holds, and what was written since."""
 
     rel: str
     ino: int
     fileno: int
-    committed: int = 0  # [0, committed) is in append objects (beyond: zeros or not yet uploaded)
+    committed: int = 0  # append-only kinds: [0, committed) is in append objects (beyond: not uploaded yet)
     objects: list[TailObject] = field(default_factory=list)
-    low: float = math.inf  # lowest offset written below `committed` since the last upload
+    dirty: list[tuple[int, int]] = field(default_factory=list)  # ranges written since the last upload
+    uploaded: bool = False  # False: the first upload takes every data extent of the file
+
+
+def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
+    """Sorted, merged [lo, hi) ranges clipped to `size`; ranges closer than `gap` become one (one PUT of a few
+    extra bytes is cheaper than two)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((max(0, lo), min(hi, size)) for lo, hi in ranges):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def covered_by(o: TailObject, newer: list[tuple[int, int]]) -> bool:
+    """Is [o.start, o.end) inside the union of the (sorted, merged) ranges?"""
+    return any(lo <= o.start and o.end <= hi for lo, hi in newer)
 
 
 @dataclass(frozen=True)
@@ -222,11 +243,14 @@ class AppendLog:
         if ino not in self.pending:
             self.pending[ino] = (classify(rel).value if rel else Kind.MUTABLE.value, time.time())
         t = self.tails.get(ino)
-        if t is not None and off < t.committed:
-            t.low = min(t.low, off)
+        if t is not None and n:
+            t.dirty.append((off, off + n))
 
     def note_truncate(self, ino: int, size: int) -> None:
         self.note_write(ino, None, size, 0)
+        t = self.tails.get(ino)
+        if t is not None and size < t.committed:
+            t.committed = size
 
     # ------------------------------------------------------------------ status
 
@@ -274,7 +298,13 @@ class AppendLog:
             if flush:
                 await self._flush([rel for rel, _ in files])
             n_obj, n_bytes = await self._upload_tails(files)
-            snap = await eng.snapshotter.take(reason, force=False) if eng.snapshotter is not None else None
+            snap = None
+            if eng.snapshotter is not None:
+                # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
+                roll = eng.snapshotter.roll_requested
+                snap = await eng.snapshotter.take(reason, force=roll)
+                if roll:
+                    eng.snapshotter.roll_requested = False
             # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
             # means the previous one already holds it)
             self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0}
@@ -350,8 +380,8 @@ class AppendLog:
         n_obj = n_bytes = 0
         error: Exception | None = None
         for rel, st in files:
-            if classify(rel) not in APPEND_KINDS:
-                continue
+            if not classify(rel).is_segment:
+                continue  # mutable files go as the snapshot's blobs
             live.add(st.st_ino)
             t = self.tails.get(st.st_ino)
             if t is None or t.rel != rel:
@@ -359,23 +389,26 @@ class AppendLog:
                     self._retire(t)
                 self._fileno += 1
                 t = self.tails[st.st_ino] = Tail(rel, st.st_ino, self._fileno)
-            start = int(min(t.committed, t.low))
-            low, t.low = t.low, math.inf  # writes during the upload lower it again
+            dirty, t.dirty = t.dirty, []  # writes during the upload start the next list
             try:
-                objs, end = await trio.to_thread.run_sync(self._upload_one, t, start, limiter=self.eng.limiter)
+                objs, end = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
             except (ObjectStoreError, OSError) as e:
-                t.low = min(t.low, low)
+                t.dirty = dirty + t.dirty  # Non-StopWrite: the next round uploads them (under new keys)
                 self.put_failures += 1
                 error = error or e
                 continue
+            t.uploaded = True
             if objs:
-                before = self._keys(t)
-                t.objects = [o for o in t.objects if not (objs[0].start <= o.start and o.end <= end)] + objs
-                for k in set(before) - set(self._keys(t)):  # wholly covered by the new objects
-                    self.retired[k] = time.time()
+                merged = coalesce([(o.start, o.end) for o in objs], 1 << 62, 0)
+                keep = [o for o in t.objects if not covered_by(o, merged)]
+                for o in t.objects:
+                    if not covered_by(o, merged):
+                        continue
+                    self.retired[o.key] = time.time()  # wholly rewritten by the new objects
+                t.objects = keep + objs
                 n_obj += len(objs)
                 n_bytes += sum(o.length for o in objs)
-            t.committed = end if objs or end < t.committed else t.committed
+            t.committed = end
         for ino in [i for i in self.tails if i not in live]:
             self._retire(self.tails.pop(ino))
         if error is not None:
@@ -390,24 +423,30 @@ class AppendLog:
         for o in t.objects:
             self.retired.setdefault(o.key, now)
 
-    def _upload_one(self, t: Tail, start: int) -> tuple[list[TailObject], int]:
-        """Blocking: upload [start, end of data) of one file; returns the new objects and the new end."""
+    def _upload_one(self, t: Tail, dirty: list[tuple[int, int]]) -> tuple[list[TailObject], int]:
+        """Blocking: upload what changed in one file: at the first upload every byte up to its last data; later
+        the ranges written since (and, for append-only kinds, anything past the committed offset, which holds
+        even for a write this daemon did not see). Returns the new objects and the new committed offset."""
         fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if st.st_ino != t.ino:
                 return [], t.committed
             size = st.st_size
-            start = min(start, size)
-            end = data_end(fd, start, size)
-            if start < t.committed:  # a rewrite below the committed offset: cover the old range again
-                end = max(end, min(t.committed, size))
+            committed = min(t.committed, size)
+            if not t.uploaded:
+                ranges = [(0, data_end(fd, 0, size))]
+            else:
+                ranges = list(dirty)
+                if classify(t.rel) in APPEND_KINDS:
+                    ranges.append((committed, data_end(fd, committed, size)))
+            ranges = coalesce(ranges, size)
             objs = []
-            for off in range(start, end, MAX_OBJECT):
-                n = min(MAX_OBJECT, end - off)
+            end = max([committed] + [hi for _, hi in ranges])
+            for off, n in ((o, min(MAX_OBJECT, hi - o)) for lo, hi in ranges for o in range(lo, hi, MAX_OBJECT)):
                 data = os.pread(fd, n, off)
                 if len(data) < n:  # truncated meanwhile: what is left
-                    end = off + len(data)
+                    end = min(end, off + len(data))
                     if not data:
                         break
                 crc = crc32c.crc32c(data)

@@ -5,7 +5,8 @@ Each refresh reads the snapshot pointer; for a new snapshot it applies the diffe
 the trio thread between awaits (the engine's maps never change under a request):
 
 * active files (append objects): the objects not applied yet are written into the local file (a refresh reads
-  only what is new); a file that became a tiered segment since keeps its local bytes, which are the same;
+  only what is new); a file that became a tiered segment since is served from its segment objects (its final
+  bytes, which the last tail may predate);
 * tiered files (sealed segments, and mutable files as blobs): new paths become new TIERED entries; a path whose
   objects changed (a checkpoint rewritten, a segment rewritten) gets a new entry, its old local blocks punched;
 * paths gone from the snapshot (retention deleted them) are unlinked from the cache.
@@ -142,10 +143,12 @@ class Follower:
         fresh: list[Entry] = []
         for e, mode, uid, gid in plan.files:
             keep.add(e.path)
-            if e.path in self.local:
-                continue  # sealed since: the local bytes are the segment's
             cur = eng.entries.get(e.path)
-            if cur is not None and cur.objects == e.objects and cur.size == e.size:
+            if e.path in self.local:
+                # sealed since: the segment objects hold its final bytes, which the last tail may predate
+                self.local.discard(e.path)
+                self.applied.pop(e.path, None)
+            elif cur is not None and cur.objects == e.objects and cur.size == e.size:
                 continue
             await self._drop_entry(e.path)
             await trio.to_thread.run_sync(self._create, e.path, e.size)

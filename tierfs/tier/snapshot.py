@@ -254,9 +254,12 @@ class Snapshotter:
         self.last_error = ""
         self.taken = 0
         self.skipped = 0
+        self.puts = 0  # cumulative PUTs (blobs, .db, pointer) and their bytes, for the cost of continuous tiering
+        self.put_bytes = 0
 
     def status(self) -> dict:
         return {**self.last, "taken": self.taken, "skipped_unchanged": self.skipped, "last_error": self.last_error,
+                "puts_total": self.puts, "put_bytes_total": self.put_bytes,
                 "interval_s": float(self.eng.config["snapshot.interval_seconds"])}
 
     # ------------------------------------------------------------------ loops
@@ -353,6 +356,8 @@ class Snapshotter:
             await trio.to_thread.run_sync(self._publish, tmp, ptr, limiter=self.eng.limiter)
             self._seq = seq
             self._last_digest = digest
+            self.puts += counters[0] + 2
+            self.put_bytes += counters[1] + size + len(ptr.encode())
             self._blob_sets[seq] = used
             self._key_sets[seq] = {k for r in rows.values() for k in json.loads(r[_OBJECTS])} | \
                 {o.key for t in tails.values() for o in t.objects}
