@@ -32,7 +32,7 @@ from test_tiering import (  # noqa: F401
 
 from tierfs.objectstore import ObjectStore
 from tierfs.tier import storeconfig
-from tierfs.tier.engine import punch_hole
+from tierfs.tier.evictor import punch_hole
 from tierfs.tier.lease import LeaseRecord, lease_key
 
 BLOCK = 64 * 1024

@@ -76,7 +76,7 @@ def sealed(root: Path) -> dict[str, list[str]]:
 
 
 def upload(store: ObjectStore, root: Path, rel: str, generation: int = 0) -> dict:
-    """Put a segment as raw chunk objects like Engine._upload_blocking; return its catalog entry (SEG)."""
+    """Put a segment as raw chunk objects like Uploader.upload_blocking; return its catalog entry (SEG)."""
     data = (root / rel).read_bytes()
     keys = layout.chunk_keys(STORE_ID, rel, generation, "raw", len(data), CHUNK)
     block_crcs = [crc32c.crc32c(data[b:b + BLOCK]) for b in range(0, len(data), BLOCK)]

@@ -361,7 +361,7 @@ def _timed_uploads(eng, nfiles: int, size: int) -> float:
                              chunk_bytes=eng.chunk, block_bytes=eng.block))
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(nfiles) as pool:
-        results = list(pool.map(eng._upload_blocking, entries))
+        results = list(pool.map(eng.uploader.upload_blocking, entries))
     elapsed = time.monotonic() - t0
     for e, (crc, _, keys) in zip(entries, results):
         assert crc == crc32c.crc32c((eng.hot / e.path).read_bytes())

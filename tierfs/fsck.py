@@ -46,8 +46,10 @@ from typing import Any
 import crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
+from tierfs.objectstore.base import ObjectNotFound
 from tierfs.tier import layout, storeconfig
 from tierfs.tier.appendlog import data_extents
+from tierfs.tier.blockcache import read_lz4c_footer
 from tierfs.tier.catalog import _COLS, Catalog, Entry, State
 
 EXIT_CLEAN, EXIT_DAMAGE, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -240,8 +242,7 @@ def _chunk_sizes(e: Entry) -> list[int]:
 
 
 def _chunk_blocks(e: Entry, chunk_no: int) -> range:
-    per = e.chunk_bytes // e.block_bytes
-    return range(chunk_no * per, min((chunk_no + 1) * per, e.nblocks))
+    return layout.raw_chunk_blocks(chunk_no, e.chunk_bytes, e.block_bytes, e.nblocks)
 
 
 def read_block_from_store(store: ObjectStore, e: Entry, b: int) -> bytes:
@@ -250,16 +251,16 @@ def read_block_from_store(store: ObjectStore, e: Entry, b: int) -> bytes:
         from tierfs.tier import lz4c
 
         key = e.objects[0]
-        info = store.head(key)
-        if info is None:
-            raise ValueError(f"object {key} is missing")
-        f = lz4c.read_footer(lambda o, n: store.get_range(key, o, n), info.size)
+        try:
+            f = read_lz4c_footer(store, key)
+        except ObjectNotFound:
+            raise ValueError(f"object {key} is missing") from None
         off, ln = lz4c.block_span(f, b, 1)
         data = lz4c.decode_blocks(f, b, 1, store.get_range(key, off, ln))
     else:
-        per = e.chunk_bytes // e.block_bytes
-        key = e.objects[b // per]
-        data = store.get_range(key, (b % per) * e.block_bytes, e.block_len(b))
+        chunk_no, off = layout.raw_chunk_of(b, e.chunk_bytes, e.block_bytes)
+        key = e.objects[chunk_no]
+        data = store.get_range(key, off, e.block_len(b))
     if crc32c.crc32c(data) != e.block_crcs[b]:
         raise ValueError(f"block {b} of object {key} fails its crc32c")
     return data

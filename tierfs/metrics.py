@@ -159,7 +159,7 @@ class StateCollector:
                 bl_bytes += e.size
                 bl_since = min(bl_since, e.state_since)
         entries = eng.entries
-        for rel, (kind, nbytes, local_bytes, _) in list(eng.hot_segments.items()):  # never sealed: no catalog row
+        for rel, (kind, nbytes, local_bytes, _) in list(eng.sealer.hot_segments.items()):  # never sealed: no catalog row
             if rel not in entries:
                 k = (kind, State.HOT)
                 files[k] = files.get(k, 0) + 1
@@ -249,7 +249,7 @@ class StateCollector:
                                 "How long the object store has been failing (0: answering).",
                                 value=time.time() - down if down else 0.0)
 
-        windows = [ra.window for ra in list(eng.streams.values())]
+        windows = [ra.window for ra in list(eng.cache.streams.values())]
         yield GaugeMetricFamily(PREFIX + "readahead_streams", "Open read streams of tiered segments.",
                                 value=len(windows))
         edges = []
@@ -263,7 +263,7 @@ class StateCollector:
                                          "Read-ahead windows (blocks) of the open streams right now.",
                                          buckets=buckets, gsum_value=sum(windows))
         yield GaugeMetricFamily(PREFIX + "prefetch_inflight_bytes", "Prefetched bytes in flight.",
-                                value=eng.prefetch_inflight)
+                                value=eng.cache.prefetch_inflight)
         yield GaugeMetricFamily(PREFIX + "prefetch_budget_bytes", "The read-ahead budget (readahead.budget_bytes).",
                                 value=self.readahead_budget)
 

@@ -15,7 +15,8 @@ import math
 import os
 import stat
 import time
-from typing import Any, Awaitable, Callable
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping
 
 import pyfuse3
 import trio
@@ -109,7 +110,9 @@ class TierOperations(pyfuse3.Operations):
         self._is_root = os.geteuid() == 0
         self.engine = engine
         self.read_only = bool(getattr(engine, "read_only", False))  # a mount from a bucket snapshot
-        self._tiered: dict[int, Any] = engine.tiered if engine is not None else {}
+        # the engine's TIERED index by st_ino, read-only here: one dict lookup per read and write decides whether
+        # the engine must see it, and a method call per request would cost every local read
+        self._tiered: Mapping[int, Any] = MappingProxyType(engine.tiered if engine is not None else {})
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._unlinked_stat: dict[int, os.stat_result] = {}  # last attributes of unlinked inodes, until forget
 
@@ -322,7 +325,7 @@ class TierOperations(pyfuse3.Operations):
         """Bytes of tiered segments that are not on the local disk (the store's size beyond the hot dir)."""
         if self.engine is None:
             return 0
-        return max(self.engine.tiered.total_bytes - self.engine.cache_bytes, 0)  # kept as it changes: O(1)
+        return self.engine.remote_bytes()
 
     def capacity_blocks(self, sv: os.statvfs_result, remote_bytes: int = 0) -> tuple[int, int, int]:
         """(blocks, free, available) the broker plans against (DESIGN §9). The broker acts on one number,

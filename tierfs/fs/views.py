@@ -32,9 +32,9 @@ def files_list(ops: "TierOperations", with_hot: bool = False) -> list[dict]:
                "generation": e.generation, "size": e.size, "resident_bytes": resident, "format": e.format,
                "objects": e.objects}
         if e.state is State.HOT:
-            rec["not_sealed"] = eng.hot_segments.get(e.path, ("", 0, 0, "not checked yet"))[3]
+            rec["not_sealed"] = eng.sealer.hot_segments.get(e.path, ("", 0, 0, "not checked yet"))[3]
         out.append(rec)
-    for rel, (kind, size, local, why) in list(eng.hot_segments.items()) if with_hot else ():
+    for rel, (kind, size, local, why) in list(eng.sealer.hot_segments.items()) if with_hot else ():
         if rel not in eng.entries:
             out.append({"path": rel, "kind": kind, "state": "hot", "size": size, "resident_bytes": local,
                         "not_sealed": why})
@@ -76,7 +76,7 @@ def totals(eng) -> dict:
                     k["hot"] += 1
             if e.state in waiting:
                 since[(root, e.kind)] = min(since.get((root, e.kind), e.state_since), e.state_since)
-        for rel, (kind, size, local, why) in list(eng.hot_segments.items()):
+        for rel, (kind, size, local, why) in list(eng.sealer.hot_segments.items()):
             why = re.sub(r"\d+", "N", why)  # one line per reason, not per size or offset
             not_sealed[why] = not_sealed.get(why, 0) + 1
             if rel not in eng.entries:

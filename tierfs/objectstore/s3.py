@@ -7,8 +7,8 @@ checksum every ranged read), short connect timeout, bounded retries (`max_attemp
 'adaptive' mode) and our own bounded re-read when a response body breaks mid-stream.
 
 Uploads: `put` is one PutObject; `put_file` goes through one shared boto3 TransferManager (multipart above
-`multipart_threshold`, parts of `multipart_part_size`, `multipart_concurrency` parts in flight, optional
-`upload_bandwidth_limit` in bytes/s shared by all uploads of this store). Memory is bounded by part size times
+`multipart_threshold`, parts of `multipart_part_size`, `multipart_concurrency` parts in flight; the engine's
+uploader paces uploads itself, `upload.bandwidth_bytes_per_second`). Memory is bounded by part size times
 concurrency. A failed transfer aborts its multipart upload; one left by a killed process is found with
 `list_multipart_uploads` and removed with `abort_multipart`.
 
@@ -190,7 +190,6 @@ class S3ObjectStore(ObjectStore):
       multipart_threshold    put_file uses multipart above this size (bytes)
       multipart_part_size    bytes per part (5 MiB .. 5 GiB; s3transfer grows it if > 10000 parts)
       multipart_concurrency  parts uploaded in parallel (shared by all put_file calls)
-      upload_bandwidth_limit bytes/s for put_file uploads (None: unlimited), shared by all uploads
       list_page_size         keys per ListObjectsV2 page (1..1000)
       tls_verify             True, False, or a CA bundle path
       conditional_put        'auto' (probe once, fall back to head+put if the server cannot), 'native', 'emulate'
@@ -202,7 +201,7 @@ class S3ObjectStore(ObjectStore):
                  connect_timeout: float = 5.0, read_timeout: float = 30.0, max_attempts: int = 5,
                  retry_mode: str = "standard", max_pool_connections: int = 64,
                  multipart_threshold: int = 64 * MiB, multipart_part_size: int = 16 * MiB,
-                 multipart_concurrency: int = 4, upload_bandwidth_limit: int | None = None,
+                 multipart_concurrency: int = 4,
                  list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto"):
         if not bucket or not isinstance(bucket, str):
             raise ValueError("S3 object store: the bucket name is missing")
@@ -228,8 +227,6 @@ class S3ObjectStore(ObjectStore):
         self.multipart_part_size = _number("multipart_part_size", multipart_part_size, _MIN_PART, _MAX_PART)
         self.multipart_threshold = _number("multipart_threshold", multipart_threshold, 1)
         self.multipart_concurrency = _number("multipart_concurrency", multipart_concurrency, 1, 1000)
-        self.upload_bandwidth_limit = (None if not upload_bandwidth_limit else
-                                       _number("upload_bandwidth_limit", upload_bandwidth_limit, 1024))
         self.list_page_size = _number("list_page_size", list_page_size, 1, 1000)
         if isinstance(tls_verify, str) and tls_verify.strip().lower() in ("true", "false"):
             tls_verify = tls_verify.strip().lower() == "true"
@@ -279,7 +276,6 @@ class S3ObjectStore(ObjectStore):
                 tc = TransferConfig(multipart_threshold=self.multipart_threshold,
                                     multipart_chunksize=self.multipart_part_size,
                                     max_concurrency=self.multipart_concurrency, use_threads=True,
-                                    max_bandwidth=self.upload_bandwidth_limit,
                                     preferred_transfer_client="classic")
                 self._tm = create_transfer_manager(self._client, tc)
             return self._tm

@@ -453,7 +453,7 @@ class AppendLog:
                 self._upload_no += 1
                 key = f"{tail_prefix(self.sid)}{self.incarnation}/{t.fileno:06d}/{off:016d}-{len(data):012d}." \
                       f"{self._upload_no}"
-                self.eng._fence(key)
+                self.eng.fence(key)
                 self.store.put(key, data, metadata={"crc32c": f"{crc:08x}", "offset": str(off)})
                 objs.append(TailObject(key, off, len(data), crc))
                 self.puts += 1

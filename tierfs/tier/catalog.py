@@ -18,7 +18,7 @@ import re
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -67,6 +67,12 @@ class Entry:
 
     def block_len(self, block: int) -> int:
         return min(self.block_bytes, self.size - block * self.block_bytes)
+
+    def copy(self, **changes) -> Entry:
+        """A detached copy to commit (its own bitmap, no pins): memory changes only after the commit, so the
+        row written is never the live entry, which readers, fetches and the evictor keep changing meanwhile."""
+        changes.setdefault("resident", bytearray(self.resident))
+        return replace(self, pins=0, **changes)
 
     def resident_bytes(self) -> int:
         """Bytes present locally: a popcount of the bitmap, not a per-block loop (status and metrics walk every

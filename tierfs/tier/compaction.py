@@ -17,7 +17,6 @@ HOT/.tierfs/compaction/requests/ and then follows the job's directory.
 from __future__ import annotations
 
 import datetime as dt
-import dataclasses
 import json
 import logging
 import os
@@ -93,7 +92,7 @@ def seg_record(e: Entry) -> dict:
 
 def verify_lz4c(store: ObjectStore, key: str, e: Entry) -> lz4c.Footer:
     """Blocking: the object's decompressed content must be the catalog's, block by block and as a whole."""
-    from tierfs.tier.engine import read_lz4c_footer
+    from tierfs.tier.blockcache import read_lz4c_footer
 
     footer = read_lz4c_footer(store, key)
     t = footer.trailer
@@ -223,7 +222,7 @@ class Compactor:
 
     async def _build_input(self, job: Job, spark: dict[str, str], min_age: float) -> dict:
         eng = self.eng
-        arts = await eng._db(eng.catalog.artifacts)
+        arts = await eng.db(eng.catalog.artifacts)
         have = {(a.path, a.kind, a.generation) for a in arts}
         cutoff = time.time() - min_age
         tiered = [e for e in eng.entries.values() if e.state is State.TIERED and e.state_since <= cutoff]
@@ -234,7 +233,7 @@ class Compactor:
         return {
             "job_id": job.job_id,
             "stages": job.stages,
-            "store": {"url": eng._store_url(), "options": eng._store_options()},
+            "store": {"url": eng.store_url(), "options": eng.store_options()},
             "store_id": eng.store_id,
             "posix_shared": bool(self.config["objectstore.posix_shared"]),
             "spark": conf,
@@ -304,7 +303,7 @@ class Compactor:
                 skipped.append({"stage": "index", "path": row["path"], "error": "changed since the job read it"})
                 continue
             try:
-                header = await eng._io(verify_sidecar, eng.store, row["key"], int(row["bytes"]), int(row["crc32c"]))
+                header = await eng.io(verify_sidecar, eng.store, row["key"], int(row["bytes"]), int(row["crc32c"]))
             except Exception as err:  # noqa: BLE001 - any failure means: do not use this sidecar
                 errors.append({"stage": "index", "path": row["path"], "error": f"sidecar rejected: {err}"})
                 continue
@@ -315,9 +314,9 @@ class Compactor:
                                  {"rows": row.get("rows", 0), "bytes": row.get("bytes", 0)}))
         if arts:
             new_cidx = {a.path: a for a in arts if a.kind == "cidx"}
-            old = await eng._db(eng.catalog.artifacts, "cidx")
+            old = await eng.db(eng.catalog.artifacts, "cidx")
             replaced = [k for a in old if a.path in new_cidx for k in a.keys if k not in new_cidx[a.path].keys]
-            await eng._db(eng.catalog.put_many, [], replaced, time.time() + grace, arts)
+            await eng.db(eng.catalog.put_many, [], replaced, time.time() + grace, arts)
             applied["indexes"] = sum(a.kind == "cidx" for a in arts)
             applied["archive"] = sum(a.kind == "archive" for a in arts)
         summary = {"job_id": result.get("job_id", d.name), "ok": bool(result.get("ok", True)) and not errors,
@@ -342,7 +341,7 @@ class Compactor:
         if e is None or e.state is not State.TIERED or e.generation != row["generation"] or e.format != "raw":
             return "skipped"
         try:
-            footer = await eng._io(verify_lz4c, eng.store, row["key"], e)
+            footer = await eng.io(verify_lz4c, eng.store, row["key"], e)
         except Exception as err:  # noqa: BLE001 - a bad object is reported, never swapped in
             log.error("compacted object %s of %s rejected: %s", row["key"], e.path, err)
             return f"rejected: {err}"
@@ -351,13 +350,13 @@ class Compactor:
         old_keys = e.objects
         # the swapped row is a copy (no await between it and queueing the commit); memory follows the commit
         # (resident bits: none; the engine persists the live ones after an fdatasync, never ahead of the bytes)
-        swapped = dataclasses.replace(e, format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
-                                      resident=bytearray(len(e.resident)), pins=0)
-        await eng._db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
-        eng._footers[row["key"]] = footer
+        swapped = e.copy(format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
+                          resident=bytearray(len(e.resident)))
+        await eng.db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
+        eng.cache.footers[row["key"]] = footer
         if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
             e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes
-            eng.residency_changed(e)
+            eng.evictor.residency_changed(e)
         return None
 
     # ------------------------------------------------------------------ status

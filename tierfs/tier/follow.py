@@ -200,19 +200,19 @@ class Follower:
         e = eng.entries.pop(rel, None)
         if e is None:
             return
-        eng._drop(e)
-        await eng._db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
+        eng.drop(e)
+        await eng.db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
 
     async def _add_entries(self, fresh: list[Entry]) -> None:
         eng = self.eng
-        first = await eng._db(eng.catalog.allocate, len(fresh))
+        first = await eng.db(eng.catalog.allocate, len(fresh))
         now = time.time()
         rows = []
         for i, e in enumerate(fresh):
             st = os.lstat(eng.hot / e.path)
             rows.append(dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
                                             state_since=now, file_id=first + i, ino=st.st_ino))
-        await eng._db(eng.catalog.put_many, rows, [], 0.0)
+        await eng.db(eng.catalog.put_many, rows, [], 0.0)
         for e in rows:
             if os.lstat(eng.hot / e.path).st_ino != e.ino:
                 continue

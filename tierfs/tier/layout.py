@@ -18,6 +18,18 @@ def chunk_keys(store_id: str, rel_path: str, generation: int, fmt: str, size: in
     return [chunk_key(store_id, rel_path, generation, fmt, i) for i in range(n)]
 
 
+def raw_chunk_of(block: int, chunk_bytes: int, block_bytes: int) -> tuple[int, int]:
+    """(chunk number, byte offset inside that chunk object) of block `block` of a raw segment."""
+    per = chunk_bytes // block_bytes
+    return block // per, block % per * block_bytes
+
+
+def raw_chunk_blocks(chunk_no: int, chunk_bytes: int, block_bytes: int, nblocks: int) -> range:
+    """The blocks that chunk object `chunk_no` of a raw segment holds."""
+    per = chunk_bytes // block_bytes
+    return range(chunk_no * per, min((chunk_no + 1) * per, nblocks))
+
+
 def segment_prefix(store_id: str) -> str:
     return f"{store_id}/seg/"
 
@@ -30,10 +42,6 @@ def lz4c_key(store_id: str, rel_path: str, generation: int) -> str:
 def cidx_key(store_id: str, rel_path: str, generation: int) -> str:
     """Compacted sidecar of an IndexFile (tierfs.store.cidx)."""
     return f"{store_id}/idx/{rel_path}/{generation}.cidx"
-
-
-def index_prefix(store_id: str) -> str:
-    return f"{store_id}/idx/"
 
 
 def archive_key(store_id: str, topic: str, date: str, rel_path: str, generation: int) -> str:

@@ -1,0 +1,50 @@
+"""The janitor: deletes objects whose deletion the catalog scheduled, once their grace period is over (DESIGN §5).
+
+Deletes are queued in the same transaction as the state change that orphans the objects (unlink, rewrite,
+compaction swap) with a not-before time `delete.grace_seconds` ahead, so a reader that still holds the old row
+(a read-only mount, a job) keeps working for that long. Objects a kept catalog snapshot still names wait longer:
+the snapshotter is asked to roll, so the wait ends with the next snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from tierfs.objectstore.base import ObjectStoreError
+
+if TYPE_CHECKING:
+    from tierfs.tier.engine import Engine
+
+log = logging.getLogger("tierfs.tier")
+
+
+def _fenced_delete(eng: Engine, keys: list[str]) -> None:
+    """Blocking: delete only while the store itself says the lease epoch is ours (a writer taken over
+    meanwhile must not delete what the new one serves)."""
+    if eng.lease is not None:
+        eng.lease.verify()
+    eng.store.delete_many(keys)
+
+
+async def run_janitor(eng: Engine) -> None:
+    while True:
+        await trio.sleep(2.0)
+        if not eng.store_writable():
+            continue
+        try:
+            keys = await eng.db(eng.catalog.due_deletes, time.time())
+            if eng.snapshotter is not None:
+                keys = eng.snapshotter.unreferenced(keys)  # a read-only mount may still read these
+            if not keys:
+                continue
+            eng.fence(keys[0])
+            await eng.io(_fenced_delete, eng, keys)
+            await eng.db(eng.catalog.deleted, keys)
+            log.info("deleted %d objects", len(keys))
+        except (ObjectStoreError, sqlite3.Error) as err:
+            log.warning("object deletes failed (%s); will retry", err)

@@ -1,0 +1,377 @@
+"""The uploader: puts sealed segments into the object store, verifies them, and commits them TIERED (DESIGN §5).
+
+A segment is read from its hot file chunk by chunk (objectstore.chunk_bytes), each chunk is PUT with its crc32c
+and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
+the local bytes may be dropped only after that commit. A write during the upload voids it (write_seq moves) and
+the segment is sealed again at a new generation. Also here: the sweep of multipart uploads a crashed daemon left.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import random
+import sqlite3
+import time
+from typing import TYPE_CHECKING
+
+import crc32c
+import trio
+
+from tierfs import failpoints
+from tierfs.objectstore.base import ObjectStoreError
+from tierfs.tier import layout
+from tierfs.tier.catalog import Entry, State
+from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
+from tierfs.tier.state import ShortRead
+
+if TYPE_CHECKING:
+    from tierfs.tier.engine import Engine
+
+log = logging.getLogger("tierfs.tier")
+
+_UPLOAD_BATCH = 64  # small segments (one block or less) uploaded together and committed in one transaction
+
+
+class UploadQueue:
+    """Sealed segments waiting for upload, oldest (mtime, path) first. A heap: taking the next one costs
+    O(log n), where a min() over the whole backlog per upload made tiering 100,000 small files quadratic."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, str]] = []
+        self._queued: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def __contains__(self, rel: str) -> bool:
+        return rel in self._queued
+
+    def push(self, rel: str, mtime_ns: int) -> None:
+        if rel not in self._queued:
+            self._queued.add(rel)
+            heapq.heappush(self._heap, (mtime_ns, rel))
+
+    def pop(self) -> tuple[int, str] | None:
+        if not self._heap:
+            return None
+        item = heapq.heappop(self._heap)
+        self._queued.discard(item[1])
+        return item
+
+
+class Uploader:
+    def __init__(self, engine: Engine):
+        self.eng = engine
+        config = engine.config
+        self.queue = UploadQueue()
+        self._wakeup = trio.Event()
+        self._uploading: set[str] = set()  # paths
+        self._sealed_at_seq: dict[int, int] = {}  # file id -> write_seq when sealed: a later write voids it
+        self.started_at = time.time()  # multipart uploads initiated before this are a crashed daemon's
+        self._sweep_done = trio.Event()  # uploaders start after the first stale-upload sweep
+        bw = int(config["upload.bandwidth_bytes_per_second"])
+        self.bandwidth: TokenBucket | None = TokenBucket(bw) if bw else None
+        # threads of a batch of small uploads: half the store's request slots, the rest stay with readers
+        self._small_limiter = trio.CapacityLimiter(max(1, int(config["objectstore.max_concurrency"]) // 2))
+
+    def enqueue(self, e: Entry, seq: int | None = None) -> None:
+        """Queue a SEALED (or UPLOADING, after a restart) segment; `seq` is its write count when it sealed."""
+        if seq is not None:
+            self._sealed_at_seq[e.file_id] = seq
+        self.queue.push(e.path, e.mtime_ns)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def forget(self, file_id: int) -> None:
+        self._sealed_at_seq.pop(file_id, None)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        eng = self.eng
+        nursery.start_soon(eng.supervise, "upload-sweep", self._sweep_stale_uploads)
+        if self.bandwidth is not None:
+            nursery.start_soon(self._close_bandwidth_on_cancel)
+        for _ in range(int(eng.config["upload.concurrency"])):
+            nursery.start_soon(eng.supervise, "uploader", self.run)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        eng = self.eng
+        backoff = 1.0
+        await self._sweep_done.wait()
+        while True:
+            if not eng.store_writable():
+                await trio.sleep(1.0)  # never two writers uploading: wait for the lease
+                continue
+            rels = self._next_uploads()
+            if not rels:
+                self._wakeup = trio.Event()
+                with trio.move_on_after(1.0):
+                    await self._wakeup.wait()
+                continue
+            self._uploading.update(rels)
+            try:
+                try:
+                    failed = await self._upload(rels)
+                except (ObjectStoreError, OSError, sqlite3.Error) as err:  # the batch's commit failed
+                    failed = [(rel, err) for rel in rels]
+                retry = False
+                for rel, err in failed:
+                    if isinstance(err, BandwidthLimiterClosed):
+                        return  # shutting down; the catalog says SEALED, so the next mount resumes it
+                    eng.stats.upload_failures += 1
+                    eng.stats.last_error = f"upload {rel}: {err}"
+                    if isinstance(err, ValueError):  # the store refuses this segment's object key: never tiered
+                        log.error("%s cannot be tiered (%s); it stays local", rel, err)
+                        await self._keep_local(rel)
+                        continue
+                    log.warning("upload of %s failed (%s); retrying in %.1f s", rel, err, backoff)
+                    e = eng.entries.get(rel)
+                    if e is not None and e.state is not State.HOT:
+                        self.queue.push(rel, e.mtime_ns)
+                    retry = True
+                if retry:
+                    await trio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, float(eng.config["upload.retry_max_seconds"]))
+                else:
+                    backoff = 1.0
+            finally:
+                self._uploading.difference_update(rels)
+
+    async def _keep_local(self, rel: str) -> None:
+        eng = self.eng
+        eng.sealer.untierable.add(rel)
+        e = eng.entries.get(rel)
+        if e is not None:
+            try:
+                await eng.db(eng.catalog.remove, rel, [], time.time())
+            except sqlite3.Error as err:
+                log.warning("could not drop the catalog row of %s (%s)", rel, err)
+                return
+            if eng.entries.get(rel) is e:
+                del eng.entries[rel]
+                eng.drop(e)
+
+    def _next_uploads(self) -> list[str]:
+        """Oldest first (lowest mtime): the next segment waiting for upload and, while the oldest ones are small
+        (one block or less, where per-object requests and commits cost more than the bytes), up to
+        _UPLOAD_BATCH of them, uploaded together and committed in one transaction."""
+        out: list[str] = []
+        busy: list[tuple[int, str]] = []  # a failed upload backing off is still in _uploading: it stays queued
+        while len(out) < _UPLOAD_BATCH:
+            item = self.queue.pop()
+            if item is None:
+                break
+            mtime_ns, rel = item
+            e = self.eng.entries.get(rel)
+            if e is None or e.state not in (State.SEALED, State.UPLOADING):
+                continue
+            if rel in self._uploading:
+                busy.append(item)
+                continue
+            if e.mtime_ns != mtime_ns:  # sealed again since it was queued: its place follows its new mtime
+                self.queue.push(rel, e.mtime_ns)
+                continue
+            small = e.size <= self.eng.block
+            if out and not small:
+                self.queue.push(rel, mtime_ns)  # a big one goes alone, next
+                break
+            out.append(rel)
+            if not small:
+                break
+        for mtime_ns, rel in busy:
+            self.queue.push(rel, mtime_ns)
+        return out
+
+    async def _upload(self, rels: list[str]) -> list[tuple[str, Exception]]:
+        """Upload one segment, or a batch of small ones with their requests overlapping, then commit every one
+        still unchanged as TIERED in one transaction: durable before any local byte may be dropped. Returns the
+        segments whose upload failed, with the error; raises if the commit fails (nothing is tiered then).
+
+        SEALED -> UPLOADING is kept in memory only: a crash resumes both the same way (upload again, same keys),
+        and writing it would cost one more synchronous commit per segment."""
+        eng = self.eng
+        t0 = time.monotonic()
+        batch: list[tuple[Entry, int, int]] = []  # entry, ino, write seq when sealed
+        for rel in rels:
+            e = eng.entries[rel]
+            batch.append((e, e.ino, self._sealed_at_seq.get(e.file_id, eng.write_seq.get(e.ino, 0))))
+            if e.state is State.SEALED:
+                e.state = State.UPLOADING
+        results: list[tuple[int, list[int], list[str]] | ShortRead | None] = [None] * len(batch)
+        failed: list[tuple[str, Exception]] = []
+
+        async def put(i: int, e: Entry) -> None:
+            try:  # one big segment: its own thread, as ever; small ones: bounded, so readers keep store slots
+                results[i] = await trio.to_thread.run_sync(
+                    self.upload_blocking, e, limiter=self._small_limiter if len(batch) > 1 else None)
+            except ShortRead as err:
+                results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
+            except (ObjectStoreError, OSError, ValueError) as err:
+                failed.append((e.path, err))
+
+        async with trio.open_nursery() as nursery:
+            for i, (e, _, _) in enumerate(batch):
+                nursery.start_soon(put, i, e)
+        failpoints.hit("tier.after_put")
+        now = time.time()
+        done: list[tuple[tuple[Entry, int, int], tuple]] = []
+        voided: list[Entry] = []
+        void_keys: list[str] = []
+        for (e, ino, seq), res in zip(batch, results):
+            if res is None:
+                continue
+            shrank = isinstance(res, ShortRead)
+            crc, block_crcs, keys = (0, [], res.keys) if isinstance(res, ShortRead) else res
+            if (shrank or eng.write_seq.get(ino, 0) != seq or eng.entries.get(e.path) is not e
+                    or e.state is not State.UPLOADING):
+                log.info("%s changed during upload%s; discarding gen %d objects", e.path,
+                         f" ({res})" if shrank else "", e.generation)
+                void_keys += keys
+                if eng.entries.get(e.path) is e and eng.is_live(e):
+                    voided.append(e)
+                continue
+            done.append(((e, ino, seq), (crc, block_crcs, keys, now)))
+        if not done and not void_keys:
+            return failed
+        gen0 = await eng.db(eng.catalog.allocate, len(voided)) if voided else 0
+        # rows to commit are copies, made with no await before the commit is queued (so they carry the current
+        # paths; a rename queues its own transaction after ours): memory changes only once it is durable
+        rows = [eng.tiered_copy(e, res) for (e, _, _), res in done]
+        void_rows = [eng.hot_copy(e, gen0 + i) for i, e in enumerate(voided)]
+        await eng.db(eng.catalog.put_many, rows + void_rows, void_keys, now)
+        failpoints.hit("tier.after_commit")
+        for e, row in zip(voided, void_rows):
+            if eng.is_live(e):
+                eng.become(e, row)
+        late: list[Entry] = []
+        for ((e, ino, seq), _), row in zip(done, rows):
+            if eng.entries.get(e.path) is not e or not eng.is_live(e):
+                continue  # unlinked while the commit ran: its row and objects are gone already
+            eng.become(e, row)
+            if eng.write_seq.get(ino, 0) != seq:
+                late.append(e)  # written while the commit ran: the objects hold the old content
+                continue
+            eng.tiered[ino] = e
+            self._sealed_at_seq.pop(e.file_id, None)  # a later seal (after a rewrite) records its own
+            eng.cache_bytes += e.resident_bytes()
+            eng.stats.uploads += 1
+            eng.stats.upload_bytes += e.size
+            eng.observe("upload", time.monotonic() - t0, e.size)
+            log.log(logging.INFO if len(batch) == 1 else logging.DEBUG, "tiered %s: %d bytes in %d objects, "
+                    "crc32c %08x, %.2f s", e.path, e.size, len(e.objects), e.crc32c, time.monotonic() - t0)
+        eng.store_down_since = None
+        if len(batch) > 1 and done:
+            log.info("tiered %d small segments (%d bytes), %s .. %s, in %.2f s", len(done),
+                     sum(d[0][0].size for d in done), done[0][0][0].path, done[-1][0][0].path, time.monotonic() - t0)
+        if late:
+            await self._void_late(late)
+        return failed
+
+    async def _void_late(self, late: list[Entry]) -> None:
+        """Segments written while their TIERED commit ran: not in `tiered` yet, so nothing was evicted and the
+        hot file is whole. They turn HOT at a new generation (to be sealed again) and their objects go."""
+        eng = self.eng
+        keys = [k for e in late for k in e.objects]
+        for e in late:
+            log.info("%s written while its upload was committed; discarding gen %d objects", e.path, e.generation)
+        gen0 = await eng.db(eng.catalog.allocate, len(late))
+        rows = [eng.hot_copy(e, gen0 + i) for i, e in enumerate(late)]
+        await eng.db(eng.catalog.put_many, rows, keys, time.time())
+        for e, row in zip(late, rows):
+            if eng.is_live(e) and eng.tiered.get(e.ino) is not e:
+                eng.become(e, row)
+
+    def upload_blocking(self, e: Entry) -> tuple[int, list[int], list[str]]:
+        """Read the hot file chunk by chunk, PUT each chunk, verify, and return (crc, block crcs, keys)."""
+        eng = self.eng
+        keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
+        crc = 0
+        block_crcs: list[int] = []
+        verify_full = eng.config["upload.verify"] == "full"
+        fd = os.open(eng.hot / e.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if e.ino and os.fstat(fd).st_ino != e.ino:
+                raise ShortRead(keys, f"{e.path} was replaced since it was sealed")
+            # TIERED says every block is resident: the bytes must be durable before that commit
+            os.fdatasync(fd)
+            for i, key in enumerate(keys):
+                off = i * e.chunk_bytes
+                data = os.pread(fd, min(e.chunk_bytes, e.size - off), off)
+                if len(data) != min(e.chunk_bytes, e.size - off):
+                    raise ShortRead(keys, f"short read of {e.path} at {off}: it shrank since it was sealed")
+                eng.fence(key)
+                chunk_crc = crc32c.crc32c(data)
+                crc = crc32c.crc32c(data, crc)
+                mv = memoryview(data)
+                block_crcs += [crc32c.crc32c(mv[b:b + e.block_bytes]) for b in range(0, len(data), e.block_bytes)]
+                if self.bandwidth is not None:
+                    self.bandwidth.acquire(len(data))  # shared by every uploader thread
+                eng.store.put(key, data, metadata={"crc32c": f"{chunk_crc:08x}"})
+                failpoints.hit("tier.chunk_put")
+                if verify_full:
+                    back = eng.store.get(key)
+                    if len(back) != len(data) or crc32c.crc32c(back) != chunk_crc:
+                        raise ObjectStoreError(key, "verification failed: the object differs from what was put")
+                else:
+                    info = eng.store.head(key)
+                    if info is None or info.size != len(data):
+                        raise ObjectStoreError(key, "verification failed: size mismatch")
+        finally:
+            os.close(fd)
+        return crc, block_crcs, keys
+
+    # ------------------------------------------------------------------ multipart uploads a crash left
+
+    async def _sweep_stale_uploads(self) -> None:
+        """Abort the multipart uploads a crashed daemon left under <store-id>/ (DESIGN §5), retrying until one
+        pass succeeds. Uploaders wait for the first pass; anything this daemon (or a job it started) puts while
+        a retry runs was initiated after it started, and is spared."""
+        eng = self.eng
+        backoff = 1.0
+        try:
+            while True:
+                if not eng.store_writable():
+                    await trio.sleep(1.0)  # only the lease holder may abort uploads: they may be the writer's
+                    continue
+                try:
+                    busy = tuple(f"{eng.store_id}/seg/{p}/" for p in self._uploading)
+                    aborted, spared = await eng.io(self._abort_stale_uploads, busy)
+                except ObjectStoreError as err:
+                    log.warning("listing stale multipart uploads under %s/ failed (%s); retrying in %.0f s",
+                                eng.store_id, err, backoff)
+                else:
+                    log.info("aborted %d stale multipart uploads under %s/ (initiated before this daemon "
+                             "started)%s", aborted, eng.store_id, f"; {spared} newer kept" if spared else "")
+                    return
+                self._sweep_done.set()
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, float(eng.config["upload.retry_max_seconds"]))
+        finally:
+            self._sweep_done.set()
+
+    def _abort_stale_uploads(self, busy: tuple[str, ...]) -> tuple[int, int]:
+        """Blocking: abort uploads under <store-id>/ initiated before this daemon started. Spared: newer ones
+        (another process, e.g. a compaction job) and those under `busy` (segments being uploaded right now)."""
+        store, sid = self.eng.store, self.eng.store_id
+        aborted = spared = 0
+        for up in list(store.list_multipart_uploads(f"{sid}/")):
+            if up.initiated is None or up.initiated >= self.started_at or up.key.startswith(busy):
+                spared += 1
+                continue
+            store.abort_multipart(up.key, up.upload_id)
+            log.info("aborted stale multipart upload of %s (upload id %s, initiated %s)", up.key, up.upload_id,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(up.initiated)))
+            aborted += 1
+        return aborted, spared
+
+    async def _close_bandwidth_on_cancel(self) -> None:
+        """At shutdown, wake uploaders waiting for bandwidth so an unmount never waits out a reservation."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            assert self.bandwidth is not None
+            self.bandwidth.close()
