@@ -114,7 +114,23 @@ def pct(values: list[float], q: float) -> float:
     return round(C.percentile(sorted(values), q / 100), 2) if values else float("nan")
 
 
+def quiesce(m: C.TierfsMount, timeout: float = 300) -> float:
+    """Wait until the hot-write phase's backlog is gone (nothing left to seal or upload, a round with no new
+    bytes), so the steady phase measures only its own cost. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = status(m.mnt)
+        last = st["rpo"].get("last_round") or {}
+        if st["totals"]["upload_backlog_files"] == 0 and last.get("append_bytes", 1) == 0 \
+                and not st.get("hot_segments_sealable"):
+            break
+        time.sleep(1)
+    return round(time.monotonic() - t0, 1)
+
+
 def steady(m: C.TierfsMount, objects: Path, sid: str, args: argparse.Namespace) -> dict:
+    waited = quiesce(m)
+    C.log(f"backlog of the hot-write phase drained in {waited} s")
     st0 = status(m.mnt)
     p = producer(m.mnt / "steady", args, args.rate)
     lag, age = [], []
@@ -150,7 +166,8 @@ def steady(m: C.TierfsMount, objects: Path, sid: str, args: argparse.Namespace) 
            "append_bytes_per_commitlog_byte": round((r1["append_bytes"] - r0["append_bytes"]) / written, 3)
            if written else None,
            "sealed_segment_bytes_during_steady": seg_bytes,
-           "rounds": r1["rounds"] - r0["rounds"], "failed_rounds": r1["failed_rounds"] - r0["failed_rounds"]}
+           "rounds": r1["rounds"] - r0["rounds"], "failed_rounds": r1["failed_rounds"] - r0["failed_rounds"],
+           "last_round": r1.get("last_round"), "last_error": r1.get("last_error")}
     C.log(f"steady: {res}")
     return res
 
