@@ -270,6 +270,8 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         engine.mountpoint = paths.mountpoint  # the sealer flushes quiet segments through the mount
         engine.reconcile()
     ops = TierOperations(str(paths.hot), config, stats, engine)
+    if engine is not None and engine.appendlog is not None:  # continuous tiering flushes only open files
+        engine.appendlog.open_inodes = ops.open_inodes
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
 
     install_views(ops, paths, config)

@@ -321,6 +321,10 @@ class TierOperations(pyfuse3.Operations):
         out.f_namemax = sv.f_namemax
         return out
 
+    def open_inodes(self) -> set[int]:
+        """Inodes open through the mount now (their pages may be dirty in the kernel)."""
+        return set(self._fh_inode.values())
+
     def remote_only_bytes(self) -> int:
         """Bytes of tiered segments that are not on the local disk (the store's size beyond the hot dir)."""
         if self.engine is None:

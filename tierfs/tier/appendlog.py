@@ -37,7 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import crc32c
 import trio
@@ -235,6 +235,8 @@ class AppendLog:
         self.deleted = 0
         self.last_round: dict = {}
         self.last_error = ""
+        # set by the FUSE front (mount.py): the hot-dir inodes open through the mount now
+        self.open_inodes: Callable[[], set[int]] | None = None
 
     # ------------------------------------------------------------------ events from the FUSE front
 
@@ -296,8 +298,8 @@ class AppendLog:
             await trio.to_thread.run_sync(self._verify_lease, limiter=eng.limiter)
             files = await trio.to_thread.run_sync(self._scan)
             if flush:
-                await self._flush([rel for rel, _ in files])
-            n_obj, n_bytes = await self._upload_tails(files)
+                await self._flush(self._to_flush(files))
+            n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
             snap = None
             if eng.snapshotter is not None:
                 # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
@@ -306,9 +308,12 @@ class AppendLog:
                 if roll:
                     eng.snapshotter.roll_requested = False
             # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
-            # means the previous one already holds it)
-            self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0}
+            # means the previous one already holds it), except in files whose upload failed: the snapshot still
+            # went up, naming their last committed objects, so one failing file never holds the others back
+            self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0 or ino in failed}
             await trio.to_thread.run_sync(self._collect, limiter=eng.limiter)
+            if upload_error is not None:
+                raise upload_error
         except Exception as e:  # noqa: BLE001 - never let a round take the daemon (or its unmount) down
             self.failed_rounds += 1
             self.last_error = f"{time.strftime('%H:%M:%S')}: {type(e).__name__}: {e}"
@@ -373,12 +378,23 @@ class AppendLog:
         if failed:
             log.warning("flushing %d files through the mount failed, e.g. %s", len(failed), failed[0])
 
-    async def _upload_tails(self, files: list[tuple[str, os.stat_result]]) -> tuple[int, int]:
-        """Append objects for every active append-only file that has new bytes; retire the tails of files that
-        are gone, tiered or replaced. A failed upload leaves its tail as it was (the next round retries)."""
+    def _to_flush(self, files: list[tuple[str, os.stat_result]]) -> list[str]:
+        """The files that may hold pages dirty in the kernel: open through the mount (a close writes a file's
+        pages back), or written since the last round. Every file when the FUSE front does not say."""
+        if self.open_inodes is None:
+            return [rel for rel, _ in files]
+        live = self.open_inodes() | set(self.pending)
+        return [rel for rel, st in files if st.st_ino in live]
+
+    async def _upload_tails(self, files: list[tuple[str, os.stat_result]]
+                            ) -> tuple[int, int, set[int], Exception | None]:
+        """Append objects for every segment that is not tiered and has new bytes; retire the tails of files that
+        are gone, tiered or replaced. A failed upload leaves its tail as it was (the next round retries).
+        Returns (objects, bytes, inodes whose upload failed, the first error)."""
         live: set[int] = set()
         n_obj = n_bytes = 0
         error: Exception | None = None
+        failed: set[int] = set()
         for rel, st in files:
             if not classify(rel).is_segment:
                 continue  # mutable files go as the snapshot's blobs
@@ -395,6 +411,7 @@ class AppendLog:
             except (ObjectStoreError, OSError) as e:
                 t.dirty = dirty + t.dirty  # Non-StopWrite: the next round uploads them (under new keys)
                 self.put_failures += 1
+                failed.add(t.ino)
                 error = error or e
                 continue
             t.uploaded = True
@@ -411,9 +428,7 @@ class AppendLog:
             t.committed = end
         for ino in [i for i in self.tails if i not in live]:
             self._retire(self.tails.pop(ino))
-        if error is not None:
-            raise error if isinstance(error, ObjectStoreError) else OSError(str(error))
-        return n_obj, n_bytes
+        return n_obj, n_bytes, failed, error
 
     def _keys(self, t: Tail) -> list[str]:
         return [o.key for o in t.objects]
