@@ -30,7 +30,6 @@ import numpy as np
 from tierfs.objectstore import ObjectInfo, ObjectStore
 from tierfs.spark.walk import ArchiveError, Batch, batches, records
 from tierfs.store import commitlog as cl
-from tierfs.store.names import name_to_offset
 from tierfs.store.paths import split_root
 from tierfs.tier import layout
 

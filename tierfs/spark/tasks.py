@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
-import tempfile
+import functools
 from typing import Any, Iterator
 
 import crc32c as _crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
+from tierfs.objectstore.base import spool_put
 from tierfs.store import cidx
 from tierfs.tier import layout, lz4c
 
@@ -25,7 +25,7 @@ __all__ = ["SegmentError", "read_segment", "compact_segment", "build_index_sidec
 
 _READ_BYTES = 16 << 20  # at most this much per GET while streaming a segment (rounded to whole blocks)
 _READ_AHEAD = 1         # GETs in flight beyond the one being consumed (a thread overlaps them with the work)
-MEMORY_OBJECT_BYTES = 128 << 20  # compact_segment keeps a compressed object this small in memory, else a temp file
+STREAM_MAX_BYTES = 4 << 30  # compact_segment streams segments up to this size into put_stream, spools larger ones
 
 
 class SegmentError(Exception):
@@ -201,56 +201,13 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
 # ------------------------------------------------------------------------------------------------ compact
 
 
-class _Output:
-    """The compressed object as it is produced: in memory up to MEMORY_OBJECT_BYTES, then in a temporary file (in
-    *tmp_dir*), so a segment that compresses badly never holds its whole object in memory."""
-
-    def __init__(self, tmp_dir: str | None):
-        self.tmp_dir = tmp_dir
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.crc = 0
-        self.path: str | None = None
-        self._file = None
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        self.crc = _crc(data, self.crc)
-        self.size += len(data)
-        if self._file is None and self.size > MEMORY_OBJECT_BYTES:
-            fd, self.path = tempfile.mkstemp(prefix="tierfs-lz4c-", suffix=".tmp", dir=self.tmp_dir)
-            self._file = os.fdopen(fd, "wb")
-            for part in self.parts:
-                self._file.write(part)
-            self.parts = []
-        if self._file is not None:
-            self._file.write(data)
-        else:
-            self.parts.append(data)
-
-    def upload(self, store: ObjectStore, key: str, meta: dict[str, str]):
-        """Store the object (``put`` from memory, ``put_file`` from the spill file), crc32c given."""
-        if self._file is None:
-            body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-            self.parts = []
-            return store.put(key, body, metadata={**meta, "crc32c": format_crc32c(self.crc)})
-        self._file.close()
-        return store.put_file(key, self.path, metadata=meta, crc32c=self.crc)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            os.unlink(self.path)
-            self._file = None
-
-
 def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str | None = None) -> dict:
     """Rewrite a raw segment as one lz4c object (``layout.lz4c_key``); return its ``segments[]`` result row.
 
-    Reads run one GET ahead of the encoder; the object is kept in memory (a temporary file in *tmp_dir*, default
-    $TMPDIR, once larger than MEMORY_OBJECT_BYTES) and uploaded (multipart on S3 above its threshold) only after its
-    whole content was checked against the catalog's size and crc32c, with the object's crc32c in its metadata.
+    Reads run one GET ahead of the encoder and the compressed blocks stream into ``store.put_stream`` as they are
+    produced (on S3, parts upload while the encoder works; elsewhere the object is collected in memory or, when
+    large, in a temporary file in *tmp_dir*). The stream ends with an error, so nothing is stored, unless the whole
+    content matched the catalog's size and crc32c.
     """
     path, gen = _field(seg, "path", str), _field(seg, "generation", int)
     if seg.get("format") != "raw":
@@ -259,25 +216,30 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
     size, bb, _ = _common(seg)
     key = layout.lz4c_key(store_id, path, gen)
     w = lz4c.Lz4cWriter(bb)
-    out = _Output(tmp_dir)
-    try:
+
+    def produce() -> Iterator[bytes]:
         for block in read_segment(store, seg):
-            out.write(w.add(block))
-        out.write(w.finish())
+            out = w.add(block)
+            if out:
+                yield out
+        yield w.finish()
         if w.size != size or w.content_crc32c != want:
             raise SegmentError(f"{_name(seg)}: compacted content is {w.size} bytes with crc32c "
                                f"{w.content_crc32c:08x}; the catalog says {size} bytes with crc32c {want:08x}")
-        meta = {"tierfs-format": "lz4c", "tierfs-size": str(size),
+
+    def meta() -> dict[str, str]:  # called when the stream has ended: the content crc32c is known then
+        return {"tierfs-format": "lz4c", "tierfs-size": str(size),
                 "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
-        try:
-            info = out.upload(store, key, meta)
-        except ObjectStoreError as e:
-            raise SegmentError(f"{_name(seg)}: upload of lz4c object {key!r}: {type(e).__name__}: {e}") from e
-        if info.size != w.compressed_size:
-            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} was stored with {info.size} bytes, "
-                               f"{w.compressed_size} were uploaded")
-    finally:
-        out.close()
+
+    # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
+    put = store.put_stream if size <= STREAM_MAX_BYTES else functools.partial(spool_put, store)
+    try:
+        info = put(key, produce(), metadata=meta, spool_dir=tmp_dir)
+    except ObjectStoreError as e:
+        raise SegmentError(f"{_name(seg)}: upload of lz4c object {key!r}: {type(e).__name__}: {e}") from e
+    if info.size != w.compressed_size:
+        raise SegmentError(f"{_name(seg)}: lz4c object {key!r} was stored with {info.size} bytes, "
+                           f"{w.compressed_size} were uploaded")
     return {"path": path, "generation": gen, "format": "lz4c", "key": key, "size": size,
             "compressed_bytes": w.compressed_size, "crc32c": w.content_crc32c, "block_bytes": bb}
 
