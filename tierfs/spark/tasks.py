@@ -152,14 +152,11 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
         raise SegmentError(f"{_name(seg)}: an lz4c segment has exactly one object, {len(objects)} are listed")
     key = objects[0]
 
-    def read(off: int, n: int) -> bytes:
-        return store.get_range(key, off, n)
-
     try:
-        info = store.head(key)
-        if info is None:
-            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} does not exist")
-        f = lz4c.read_footer(read, info.size)
+        try:
+            f = lz4c.read_object_footer(store, key)
+        except lz4c.ObjectMissing:
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} does not exist") from None
         t = f.trailer
         if (t.size, t.block_bytes) != (size, bb):
             raise SegmentError(f"{_name(seg)}: lz4c object {key!r} holds {t.size} bytes in blocks of {t.block_bytes}, "
