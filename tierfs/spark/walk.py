@@ -240,7 +240,8 @@ def batches(blocks: Iterable[bytes], name: str, size: int) -> Iterator[Batch]:
             starts.append(pos)
             pos += total
         if pos >= BATCH_BYTES or done or err is not None:
-            data = bytes(acc[:pos])
+            with memoryview(acc) as whole:
+                data = bytes(whole[:pos])  # one copy (acc[:pos] would be a second)
             del acc[:pos]
             if starts:
                 batch, cut = _decode(data, starts, start, base)
