@@ -391,6 +391,21 @@ def test_put_stream_stores_what_was_produced_with_its_crc32c(store, size, monkey
     assert list(store.list_multipart_uploads()) == []
 
 
+def test_s3_body_hashed_for_the_signature_only_without_verified_tls():
+    """UNSIGNED-PAYLOAD over verified TLS (the hash costs as much CPU as lz4 per uploaded byte); plain HTTP or
+    unverified TLS keep the body under the signature. Building a client makes no request."""
+    def signing(**kw):
+        s = open_store("s3://bucket/p", access_key="a", secret_key="b", region="us-east-1", **kw)
+        try:
+            return s._client.meta.config.s3.get("payload_signing_enabled")
+        finally:
+            s.close()
+
+    assert signing() is False and signing(endpoint_url="https://s3.example.net") is False
+    assert signing(endpoint_url="http://127.0.0.1:7480") is None
+    assert signing(endpoint_url="https://s3.example.net", tls_verify=False) is None
+
+
 def test_put_stream_failing_producer_stores_nothing(store):
     """An exception from the producer (compaction: content that does not match the catalog) propagates and
     leaves neither an object nor an upload behind, also after parts went out."""

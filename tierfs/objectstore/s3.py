@@ -258,7 +258,7 @@ class S3ObjectStore(ObjectStore):
             signature_version="s3v4", connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout, max_pool_connections=self.max_pool_connections, tcp_keepalive=True,
             retries={"total_max_attempts": self.max_attempts, "mode": self.retry_mode},
-            s3={"addressing_style": style},
+            s3={"addressing_style": style, **self._payload_signing()},
         )
         try:
             config = botocore.config.Config(request_checksum_calculation="when_required",
@@ -272,6 +272,14 @@ class S3ObjectStore(ObjectStore):
                 kwargs["aws_session_token"] = token
         self._client, self._region = _make_client(self.profile, self.region, endpoint_url=self.endpoint_url,
                                                   verify=self.tls_verify, config=config, **kwargs)
+
+    def _payload_signing(self) -> dict[str, bool]:
+        """Over verified TLS the body is not SHA-256 hashed for the SigV4 signature (UNSIGNED-PAYLOAD): TLS already
+        protects it, and the hash costs about as much CPU per uploaded byte as lz4 compression. botocore only skips
+        it when a checksum header is sent, which the settings above turn off for older servers. Over plain HTTP,
+        or TLS without verification, the signature keeps covering the body."""
+        https = self.endpoint_url is None or self.endpoint_url.lower().startswith("https://")
+        return {"payload_signing_enabled": False} if https and self.tls_verify is not False else {}
 
     def _transfer_manager(self):
         with self._lock:
