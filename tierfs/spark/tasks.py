@@ -85,8 +85,9 @@ def _read_ahead(store: ObjectStore, ranges: list[tuple[str, int, int]]) -> Itera
 def read_segment(store: ObjectStore, seg: dict) -> Iterator[bytes | memoryview]:
     """Yield the segment's content block by block (``block_bytes`` each, the last maybe shorter; bytes or read-only
     memoryviews of a larger GET, never copied), from its raw chunk objects or its lz4c object, the next GET in
-    flight while the caller works on the current one. Every block is checked against its crc32c before it is yielded, and the whole
-    content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of finishing)."""
+    flight while the caller works on the current one. Every block is checked against its crc32c before it is
+    yielded, and the whole content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of
+    finishing)."""
     fmt = seg.get("format")
     if fmt == "raw":
         return _read_raw(store, seg)
