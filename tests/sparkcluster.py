@@ -4,7 +4,7 @@
 
 Each daemon is its own process (`pyspark/bin/spark-class org.apache.spark.deploy.master.Master` / `...Worker`)
 in its own process group, on free ports, stopped by PID (SIGTERM to the group, then SIGKILL). The executors run
-`worker_python`: a virtual environment of its own that sees the test venv's third-party packages (pyarrow, lz4,
+`worker_python`: a virtual environment of its own that sees the test venv's third-party packages (pyarrow, numpy, lz4,
 crc32c, boto3, py4j) through a .pth line, but not tierfs (the editable install's finder is a .pth file of the
 test venv, and .pth files of a directory added by a .pth line are not processed). So tierfs reaches executors
 only the way a real cluster gets it: shipped by the job's driver.
@@ -47,7 +47,7 @@ def make_worker_python(root: Path) -> Path:
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     (Path(site) / "tierfs-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    probe = subprocess.run([str(py), "-c", "import pyarrow, lz4, crc32c, boto3\n"
+    probe = subprocess.run([str(py), "-c", "import pyarrow, numpy, lz4, crc32c, boto3\n"
                             "try:\n import tierfs\nexcept ImportError:\n print('no tierfs')\n"],
                            capture_output=True, text=True, cwd="/", env=_clean_env())
     assert probe.stdout.strip() == "no tierfs", f"the worker Python is not as intended: {probe.stderr[-2000:]}"

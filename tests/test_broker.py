@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import threading
@@ -309,7 +310,7 @@ def test_topic_deleted_and_recreated(env: Env):
 
 
 def test_timer_messages_after_timerlog_tiered(env: Env):
-    """Scenario 6 (5.x): scheduled messages due after their TimerLog segments were tiered arrive on time."""
+    """Scenario 6 (5.x), timers: scheduled messages due after their TimerLog segments were tiered arrive on time."""
     if env.version.startswith("4."):
         pytest.skip("4.9 has no timer message store (TimerLog); covered for 5.x")
     rmq = env.rmq
@@ -328,6 +329,43 @@ def test_timer_messages_after_timerlog_tiered(env: Env):
     assert_all_read(got, count)
     # delivered on time: stored again at their due time (timer precision 1 s), not before
     assert got["late_ms_min"] >= -1000 and got["late_ms_max"] <= 10_000, got
+
+
+def test_rocksdb_metadata_store(env: Env):
+    """Scenario 6 (5.x), the RocksDB-backed store option: `storeType=defaultRocksDB` keeps topic configs, consumer
+    offsets, subscription groups and the ConsumeQueues in RocksDB databases under the store root. On a second
+    store on the same mount, the broker creates them, survives a graceful restart and a kill -9 (RocksDB's WAL
+    recovery, its LOCK file and directory fsyncs all go through tierfs), still knows its topics afterwards
+    (autoCreateTopicEnable is off: a lost topic config refuses the next send), and serves every message."""
+    if env.version.startswith("4."):
+        pytest.skip("4.9 has no RocksDB store option; covered for 5.x")
+    rmq = env.rmq
+    store = env.mnt / "rocksdb-store"
+    conf = env.conf(storePathRootDir=store, storePathCommitLog=store / "commitlog", storeType="defaultRocksDB")
+    rmq.stop_broker(signal.SIGTERM)
+    try:
+        rmq.start_broker(conf)
+        env.client("topics", rmq.ns_addr, rmq.broker_addr, 2, "RK")
+        first, second = env.base / "acked-rk1", env.base / "acked-rk2"
+        res = env.produce("RK", 2, 0, 20_000, first)
+        assert res["acked"] == 20_000 and res["errors"] == 0, res
+        dbs = sorted({p.parent.relative_to(store).as_posix() for p in store.rglob("CURRENT")})
+        assert dbs, f"no RocksDB database under {store}: {sorted(p.name for p in store.iterdir())}"
+        rmq.stop_broker(signal.SIGTERM)
+        rmq.start_broker(conf)
+        assert rmq.stop_broker(signal.SIGKILL) == -signal.SIGKILL
+        rmq.start_broker(conf)
+        res = env.produce("RK", 2, 20_000, 2_000, second)
+        assert res["acked"] == 2_000 and res["errors"] == 0, f"topic RK after the restarts: {res}"
+        merged = env.base / "acked-rk"
+        merged.write_bytes(_merge_bits(first.read_bytes(), 0, second.read_bytes(), 20_000))
+        got = env.consume("g-rk", topics="RK", queues=2, count=22_000, acked=merged)
+        assert_all_read(got, 22_000)
+        print(f"\nRocksDB databases on the mount: {dbs}")
+    finally:
+        rmq.stop_broker(signal.SIGKILL)
+        shutil.rmtree(store, ignore_errors=True)  # through the mount: its tiered segments' rows and objects go
+        rmq.start_broker(env.conf())  # the main store again, for the tests after this one
 
 
 def test_retention_through_the_mount(env: Env):

@@ -228,6 +228,33 @@ def test_lz4c_read_footer_large_footer_and_tiny_objects():
         lz4c.read_footer(lambda o, n: b"", len(obj))
 
 
+def test_lz4c_read_object_footer_from_a_store(tmp_path):
+    """The one footer reader of the daemon's verify step and the executor tasks: HEAD + one tail GET; a missing
+    object is ObjectMissing (not a corrupt object), a bad one Lz4cError."""
+    store = open_store(f"file://{tmp_path}/objects")
+    content = make_content([("json", 40_000, 1)])
+    store.put("a.lz4c", lz4c.encode(content, 4096))
+    calls = []
+
+    class Counting:
+        def head(self, key):
+            calls.append("head")
+            return store.head(key)
+
+        def get_range(self, key, start, length):
+            calls.append("get")
+            return store.get_range(key, start, length)
+
+    f = lz4c.read_object_footer(Counting(), "a.lz4c")
+    assert calls == ["head", "get"] and f.trailer.size == len(content)
+    assert f == lz4c.read_footer(lambda o, n: store.get_range("a.lz4c", o, n), store.head("a.lz4c").size)
+    with pytest.raises(lz4c.ObjectMissing, match="'b.lz4c' does not exist"):
+        lz4c.read_object_footer(store, "b.lz4c")
+    store.put("c.lz4c", b"not an lz4c object at all, but long enough for a trailer....")
+    with pytest.raises(lz4c.Lz4cError, match="bad magic"):
+        lz4c.read_object_footer(store, "c.lz4c")
+
+
 # ------------------------------------------------------------------------------------------------ cidx
 
 KEYS = ["Aa", "BB", "AaAa", "BBBB", "AaBB", "BBAa", "x", "y", "key-1", "key-2", "polygenelubricants", "z9"]

@@ -46,10 +46,8 @@ from typing import Any
 import crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
-from tierfs.objectstore.base import ObjectNotFound
 from tierfs.tier import layout, storeconfig
 from tierfs.tier.appendlog import data_extents
-from tierfs.tier.blockcache import read_lz4c_footer
 from tierfs.tier.catalog import _COLS, Catalog, Entry, State
 
 EXIT_CLEAN, EXIT_DAMAGE, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -252,8 +250,8 @@ def read_block_from_store(store: ObjectStore, e: Entry, b: int) -> bytes:
 
         key = e.objects[0]
         try:
-            f = read_lz4c_footer(store, key)
-        except ObjectNotFound:
+            f = lz4c.read_object_footer(store, key)
+        except lz4c.ObjectMissing:
             raise ValueError(f"object {key} is missing") from None
         off, ln = lz4c.block_span(f, b, 1)
         data = lz4c.decode_blocks(f, b, 1, store.get_range(key, off, ln))

@@ -43,7 +43,7 @@ import abc
 import dataclasses
 import os
 import re
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Union
 
 MAX_KEY_BYTES = 1024
 MAX_METADATA_BYTES = 2048
@@ -246,6 +246,49 @@ def merge_crc32c(key: str, metadata: Mapping[str, str] | None, crc: int | None) 
     return meta
 
 
+SPOOL_MEMORY_BYTES = 128 << 20
+Metadata = Union[Mapping[str, str], Callable[[], Mapping[str, str]], None]  # put_stream: values, or a callable
+
+
+def spool_put(store: "ObjectStore", key: str, chunks: Iterable[bytes | bytearray | memoryview],
+              metadata: Metadata = None, spool_dir: str | None = None) -> ObjectInfo:
+    """ObjectStore.put_stream by collecting the content first (memory, then a temporary file); see there."""
+    import tempfile
+
+    import crc32c as _crc32c
+
+    if not callable(metadata):
+        merge_crc32c(key, metadata, None)  # validate before consuming anything
+    parts: list[bytes] = []
+    crc = size = 0
+    path: str | None = None
+    f = None
+    try:
+        for chunk in chunks:
+            if not chunk:
+                continue
+            crc = _crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+            if f is None and size > SPOOL_MEMORY_BYTES:
+                fd, path = tempfile.mkstemp(prefix="tierfs-spool-", suffix=".tmp", dir=spool_dir)
+                f = os.fdopen(fd, "wb")
+                f.writelines(parts)
+                parts = []
+            if f is not None:
+                f.write(chunk)
+            else:
+                parts.append(bytes(chunk))
+        meta = merge_crc32c(key, metadata() if callable(metadata) else metadata, crc)
+        if f is None:
+            return store.put(key, parts[0] if len(parts) == 1 else b"".join(parts), metadata=meta)
+        f.close()
+        return store.put_file(key, path, metadata=meta, crc32c=crc)
+    finally:
+        if f is not None:
+            f.close()
+            os.unlink(path)
+
+
 def check_range(key: str, start: int, length: int) -> None:
     if not isinstance(start, int) or not isinstance(length, int) or start < 0 or length < 0:
         raise ValueError(f"object key {key!r}: invalid range start={start!r} length={length!r} "
@@ -302,6 +345,19 @@ class ObjectStore(abc.ABC):
         it); else it is computed. The source must not change during the call. A failed upload leaves no partial
         object (S3 aborts the multipart upload; a killed process leaves one that `list_multipart_uploads` shows).
         """
+
+    def put_stream(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
+                   metadata: Metadata = None, spool_dir: str | None = None) -> ObjectInfo:
+        """Create or replace `key` with the concatenation of `chunks`, taken as the caller produces them; an
+        exception raised by `chunks` stores nothing (and propagates). `metadata` may be a callable, called once
+        `chunks` is exhausted, for values known only then. The `crc32c` of the whole content is stored as by
+        `put` (a given one must match).
+
+        This default holds the content in memory up to SPOOL_MEMORY_BYTES, beyond that in a temporary file in
+        `spool_dir` (default $TMPDIR), and stores it with `put` or `put_file` once `chunks` is exhausted. S3
+        uploads parts while they are produced instead.
+        """
+        return spool_put(self, key, chunks, metadata, spool_dir)
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:

@@ -23,6 +23,8 @@ redacting wrapper: never in repr(), str(), log lines or exception messages.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import email.utils
 import io
 import logging
@@ -35,9 +37,9 @@ import time
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
-from .base import (MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
-                   ObjectStoreUnavailable, check_range, merge_crc32c, source_length, validate_key,
-                   validate_prefix)
+from .base import (CRC32C_META, Metadata, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError,
+                   ObjectStore, ObjectStoreError, ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c,
+                   source_length, validate_key, validate_prefix)
 
 log = logging.getLogger("tierfs.objectstore.s3")
 
@@ -253,7 +255,7 @@ class S3ObjectStore(ObjectStore):
             signature_version="s3v4", connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout, max_pool_connections=self.max_pool_connections, tcp_keepalive=True,
             retries={"total_max_attempts": self.max_attempts, "mode": self.retry_mode},
-            s3={"addressing_style": style},
+            s3={"addressing_style": style, **self._payload_signing()},
         )
         try:
             config = botocore.config.Config(request_checksum_calculation="when_required",
@@ -267,6 +269,14 @@ class S3ObjectStore(ObjectStore):
                 kwargs["aws_session_token"] = token
         self._client, self._region = _make_client(self.profile, self.region, endpoint_url=self.endpoint_url,
                                                   verify=self.tls_verify, config=config, **kwargs)
+
+    def _payload_signing(self) -> dict[str, bool]:
+        """Over verified TLS the body is not SHA-256 hashed for the SigV4 signature (UNSIGNED-PAYLOAD): TLS already
+        protects it, and the hash costs about as much CPU per uploaded byte as lz4 compression. botocore only skips
+        it when a checksum header is sent, which the settings above turn off for older servers. Over plain HTTP,
+        or TLS without verification, the signature keeps covering the body."""
+        https = self.endpoint_url is None or self.endpoint_url.lower().startswith("https://")
+        return {"payload_signing_enabled": False} if https and self.tls_verify is not False else {}
 
     def _transfer_manager(self):
         with self._lock:
@@ -412,6 +422,98 @@ class S3ObjectStore(ObjectStore):
         finally:
             if not isinstance(source, str):
                 source.close()
+
+    def put_stream(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
+                   metadata: Metadata = None, spool_dir: str | None = None) -> ObjectInfo:
+        """ObjectStore.put_stream, uploading while `chunks` are produced: content of at most one part is one
+        PutObject; more becomes a multipart upload whose parts (`multipart_part_size`) go out as soon as they are
+        full, `multipart_concurrency` at a time (memory: part size x (concurrency + 1)).
+
+        S3 takes an object's metadata when the upload is created, before the crc32c of the content is known, so
+        the upload is created with the other metadata (none when `metadata` is a callable) and, once complete, the
+        object gets its full metadata by a
+        copy onto itself (MetadataDirective REPLACE: on RGW an attribute update, on S3 a server-side copy, up to
+        5 GiB). `head` must then report the size and crc32c of what was sent; a failure aborts the upload or
+        deletes the object. Until that copy, readers of `key` may see the new content without a crc32c.
+        """
+        from . import crc32c_of
+
+        full = self._full(key)
+        meta = {} if callable(metadata) else merge_crc32c(key, metadata, None)
+        meta.pop(CRC32C_META, None)
+        part = self.multipart_part_size
+        buf = bytearray()
+        crc = size = 0
+        upload_id: str | None = None
+        done: list[dict] = []
+        inflight: collections.deque = collections.deque()
+        pool = None
+
+        def send(number: int, body: bytes) -> dict:
+            resp = self._call("put_stream", key, self._client.upload_part, Bucket=self.bucket, Key=full,
+                              UploadId=upload_id, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        def submit(body: bytes) -> None:
+            nonlocal upload_id, pool
+            if upload_id is None:
+                resp = self._call("put_stream", key, self._client.create_multipart_upload, Bucket=self.bucket,
+                                  Key=full, Metadata=meta)
+                upload_id = resp["UploadId"]
+                pool = concurrent.futures.ThreadPoolExecutor(self.multipart_concurrency,
+                                                             thread_name_prefix="tierfs-s3-part")
+            while len(inflight) >= self.multipart_concurrency:
+                done.append(inflight.popleft().result())
+            inflight.append(pool.submit(send, len(done) + len(inflight) + 1, body))
+
+        completed = False
+        try:
+            for chunk in chunks:
+                crc = crc32c_of(chunk, crc)
+                size += len(chunk)
+                buf += chunk
+                while len(buf) > part:  # a full part, and at least one byte after it
+                    if size > _MAX_PART:
+                        raise ObjectStoreError(key, f"put_stream of {self._where(key)}: more than {_MAX_PART} bytes "
+                                                    f"(the limit of CopyObject, which sets the crc32c metadata)")
+                    submit(bytes(buf[:part]))
+                    del buf[:part]
+            final = merge_crc32c(key, metadata() if callable(metadata) else metadata, crc)
+            if upload_id is None:
+                return self.put(key, bytes(buf), metadata=final)
+            submit(bytes(buf))
+            buf = bytearray()
+            while inflight:
+                done.append(inflight.popleft().result())
+            self._call("put_stream", key, self._client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                       UploadId=upload_id, MultipartUpload={"Parts": sorted(done, key=lambda p: p["PartNumber"])})
+            completed = True
+            self._call("put_stream", key, self._client.copy_object, Bucket=self.bucket, Key=full,
+                       CopySource={"Bucket": self.bucket, "Key": full}, Metadata=final,
+                       MetadataDirective="REPLACE")
+            info = self.head(key)
+            if info is None or info.size != size or info.crc32c != crc:
+                raise ObjectStoreError(key, f"put_stream of {self._where(key)}: sent {size} bytes with crc32c "
+                                            f"{format_crc32c(crc)}, the store reports "
+                                            f"{None if info is None else (info.size, info.metadata)}")
+            return info
+        except BaseException:
+            for fut in inflight:
+                fut.cancel()
+            if completed:
+                try:
+                    self.delete(key)
+                except ObjectStoreError as e:
+                    log.warning("put_stream: could not remove %s after a failure: %s", self._where(key), e)
+            elif upload_id is not None:
+                try:
+                    self.abort_multipart(key, upload_id)
+                except ObjectStoreError as e:
+                    log.warning("put_stream: could not abort the upload of %s: %s", self._where(key), e)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def _upload(self, key: str, source: Any, size: int, meta: dict[str, str]) -> ObjectInfo:
         full = self._full(key)

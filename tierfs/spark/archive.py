@@ -25,9 +25,11 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
+import numpy as np
+
 from tierfs.objectstore import ObjectInfo, ObjectStore
+from tierfs.spark.walk import ArchiveError, Batch, batches, records
 from tierfs.store import commitlog as cl
-from tierfs.store.names import name_to_offset
 from tierfs.store.paths import split_root
 from tierfs.tier import layout
 
@@ -41,12 +43,6 @@ DAY_MS = 86_400_000
 ROW_GROUP_BYTES = 64 << 20      # one Parquet row group per (topic, date) once this much is buffered ...
 BUFFER_BYTES = 128 << 20        # ... and every group is flushed when all groups together hold this much
 COMPRESSION = "zstd"
-_II = struct.Struct(">ii")
-_Q = struct.Struct(">q")
-_FIXED = struct.Struct(">iiiiiqqiq")   # TOTALSIZE .. BORNTIMESTAMP (commitlog format, 48 bytes)
-_RECONSUME = struct.Struct(">i")
-_HEAD_MIN = 91                  # smallest possible message record (IPv4, v1, empty body/topic/properties)
-_KEEP_TAIL = 8 << 20            # compact the decode buffer once this much has been consumed
 _HIVE_DEFAULT = "__HIVE_DEFAULT_PARTITION__"
 # Hive's FileUtils.escapePathName set (Spark's ExternalCatalogUtils uses the same): these become %XX.
 _ESCAPE = set('"#%\'*/:=?\\\x7f{[]^') | {chr(c) for c in range(1, 0x20)}
@@ -62,10 +58,6 @@ SCHEMA_FIELDS = (
     ("body_crc", "int32"), ("sys_flag", "int32"), ("flag", "int32"), ("reconsume_times", "int32"),
     ("born_host", "string"), ("store_host", "string"), ("msg_id", "string"),
 )
-
-
-class ArchiveError(ValueError):
-    """A segment cannot be archived; the message names the segment position or object that is wrong."""
 
 
 def arrow_schema():
@@ -170,72 +162,16 @@ def is_expired(day: _dt.date, days: float | None, today: _dt.date) -> bool:
 def iter_messages(blocks: Iterable[bytes], segment_name: str, size: int) -> Iterator[tuple[int, cl.Message]]:
     """(position, message) for each message of a sealed CommitLog segment whose content arrives in `blocks`.
 
-    Streams: at most _KEEP_TAIL bytes of decoded records plus one block and one record are held, whatever the
+    Streams: at most walk.KEEP_TAIL bytes of decoded records plus one block and one record are held, whatever the
     segment size. Stops at the terminal BLANK and reads nothing after it. Raises ArchiveError naming the position
     of anything that is not a valid sealed segment. `size` is the segment size (the BLANK's TOTALSIZE must reach
     it).
     """
-    for buf, pos, at, _ in _records(blocks, segment_name, size):
+    for buf, pos, at, _ in records(blocks, segment_name, size):
         rec = cl.decode_record(buf, pos, check_crc=True)
-        if not isinstance(rec, cl.Message):  # _records checked the layout and the CRC: cannot happen
+        if not isinstance(rec, cl.Message):  # records() checked the layout and the CRC: cannot happen
             raise ArchiveError(f"commitlog/{segment_name}: record at position {at} is invalid")
         yield at, rec
-
-
-def _records(blocks: Iterable[bytes], segment_name: str, size: int) -> Iterator[tuple[bytearray, int, int, tuple]]:
-    """(buffer, position in it, segment position, layout) of each message record, checked as iter_messages says:
-    lengths against TOTALSIZE, BODYCRC, PHYSICALOFFSET against the segment name; the layout is
-    commitlog._message_layout's. The buffer is only valid until the next item."""
-    base = name_to_offset(segment_name)
-    it = iter(blocks)
-    buf = bytearray()
-    start = 0  # segment position of buf[0]
-    pos = 0    # read position in buf
-    eof = False
-
-    def fill(need: int) -> bool:
-        nonlocal buf, start, pos, eof
-        while len(buf) - pos < need and not eof:
-            if pos >= _KEEP_TAIL or (pos and pos == len(buf)):
-                del buf[:pos]
-                start += pos
-                pos = 0
-            try:
-                buf += next(it)
-            except StopIteration:
-                eof = True
-        return len(buf) - pos >= need
-
-    while True:
-        at = start + pos
-        if len(buf) - pos < 8 and not fill(8):
-            raise ArchiveError(f"commitlog/{segment_name}: content ends at position {start + len(buf)} before the "
-                               f"terminal BLANK (the segment is not sealed, or its objects are truncated)")
-        total, magic = _II.unpack_from(buf, pos)
-        if magic == cl.BLANK_MAGIC:
-            if total != size - at:
-                raise ArchiveError(f"commitlog/{segment_name}: BLANK at position {at} has TOTALSIZE {total}, but "
-                                   f"{size - at} bytes remain in the {size}-byte segment")
-            return
-        if magic not in (cl.MAGIC_V1, cl.MAGIC_V2):
-            raise ArchiveError(f"commitlog/{segment_name}: no record at position {at} (magic {magic & 0xFFFFFFFF:#010x}"
-                               f") before the terminal BLANK")
-        if total < _HEAD_MIN or at + total > size - cl.BLANK_SIZE:
-            raise ArchiveError(f"commitlog/{segment_name}: record at position {at} has an impossible TOTALSIZE "
-                               f"{total} (segment size {size})")
-        if len(buf) - pos < total and not fill(total):
-            raise ArchiveError(f"commitlog/{segment_name}: content ends at position {start + len(buf)} inside the "
-                               f"record at position {at} (TOTALSIZE {total})")
-        lay = cl._message_layout(buf, pos, total, 2 if magic == cl.MAGIC_V2 else 1, len(buf))
-        if lay is None or not cl._crc_ok(memoryview(buf), pos, lay[3], lay[4]):
-            raise ArchiveError(f"commitlog/{segment_name}: record at position {at} is invalid (field lengths "
-                               f"disagree with TOTALSIZE {total}, or its BODYCRC does not match the body)")
-        phys = _Q.unpack_from(buf, pos + 28)[0]
-        if phys != base + at:
-            raise ArchiveError(f"commitlog/{segment_name}: record at position {at} says PHYSICALOFFSET "
-                               f"{phys}, expected {base + at}")
-        yield buf, pos, at, lay
-        pos += total
 
 
 def _host_text(h: cl.Host) -> tuple[str, str]:
@@ -250,33 +186,31 @@ def _host_text(h: cl.Host) -> tuple[str, str]:
 
 
 _COLS = tuple(n for n, _ in SCHEMA_FIELDS)
+_ALL = object()  # _Writer.add: write every group
 _EXPIRED = object()  # the group of a (topic, date) that retention already expired: rows are counted, not kept
-# RE2 patterns over a record's raw PROPERTIES string (MessageDecoder.string2messageProperties: entries NAME\1VALUE
-# split by \2, kept when name and value are non-empty, the last of a name wins).
-_ENTRY_RE = "(?s)^(?P<k>[^\x01]+)\x01(?P<v>.+)$"
-
-
-def _last_value_re(name: str) -> str:
-    return f"(?s)^.*(?:^|\x02){name}\x01(?P<v>[^\x02]+)"
+_HEX = np.frombuffer(b"0123456789ABCDEF", np.uint8)
+_NIBBLES = np.arange(60, -4, -4, dtype=np.uint64)  # shifts of the 16 hex digits of a u64, most significant first
 
 
 @dataclass
 class _Group:
-    """Buffered records of one (topic, date) and its local Parquet file. A row is the record's fixed fields (one
-    struct unpack), its body, its raw properties string, and the texts of its hosts and message id."""
+    """Buffered records of one (topic, date) and its local Parquet file: pieces of batch tables (the columns of
+    the file except keys/tags/properties, plus the raw PROPERTIES string), written as one row group."""
 
     topic: str
     date: str
     path: str
-    rows: list = field(default_factory=list)
+    pieces: list = field(default_factory=list)
     buffered: int = 0
     count: int = 0
     writer: object = None
 
 
 class _Writer:
-    """Groups records by (topic, UTC date) into local Parquet files with bounded memory. Columns are built from
-    the buffered rows at flush time; PROPERTIES, KEYS and TAGS are parsed there column-wise by Arrow compute."""
+    """Groups records by (topic, UTC date) into local Parquet files with bounded memory. Columns are built per
+    batch from the walk's arrays; PROPERTIES, KEYS and TAGS are parsed when a group is written, column-wise by
+    Arrow compute. Row groups end where a record-by-record writer would end them: a group is written once it
+    buffers ROW_GROUP_BYTES of records (TOTALSIZE), else every group once all together buffer BUFFER_BYTES."""
 
     def __init__(self, tmpdir: str):
         import pyarrow as pa
@@ -287,13 +221,7 @@ class _Writer:
         self.tmpdir = tmpdir
         self.groups: dict[tuple[bytes, int], _Group | object] = {}
         self.buffered = 0
-        self._hosts: dict[tuple[bytes, int], tuple[str, str]] = {}  # a store has a handful of hosts
-
-    def host(self, h: tuple[bytes, int]) -> tuple[str, str]:
-        t = self._hosts.get(h)
-        if t is None:
-            t = self._hosts[h] = _host_text(h)
-        return t
+        self.expired_rows = 0
 
     def group(self, topic: bytes, day: int, retention: Mapping[str, float], today: _dt.date) -> _Group | object:
         """The group of (topic, day), made on first use: _EXPIRED when retention already dropped that date."""
@@ -309,24 +237,134 @@ class _Writer:
         self.groups[(topic, day)] = g
         return g
 
-    def add(self, g: _Group, buf: bytearray, pos: int, lay: tuple, f: tuple) -> None:
-        """f: commitlog._fixed_struct(SYSFLAG) unpacked at pos (TOTALSIZE .. BODY length)."""
-        body_at = pos + lay[3]
-        props_at = pos + lay[7]
-        born, store = self.host((f[9], f[10])), self.host((f[12], f[13]))
-        g.rows.append((f, bytes(buf[body_at:body_at + lay[4]]),
-                       buf[props_at:props_at + lay[8]].decode("utf-8", "replace"),
-                       born[0], store[0], f"{store[1]}{f[6]:016X}"))  # msg_id: cl.message_id, host packed once
-        g.count += 1
-        n = f[0]
-        g.buffered += n
-        self.buffered += n
-        if g.buffered >= ROW_GROUP_BYTES:
-            self._flush(g)
-        elif self.buffered >= BUFFER_BYTES:
-            for other in self.groups.values():
-                if other is not _EXPIRED:
-                    self._flush(other)
+    # ------------------------------------------------------------------ batches in
+
+    def add(self, b: Batch, retention: Mapping[str, float], today: _dt.date) -> None:
+        """Route the records of a batch to their groups (made in order of first appearance)."""
+        pa, pc = self._pa, self._pc
+        mv = memoryview(b.data)
+        topics = pc.dictionary_encode(self._binary(mv, b.topic_at, b.topic_len))
+        tidx = topics.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        names = topics.dictionary.to_pylist()
+        day = b.store_ts // DAY_MS
+        key = (tidx << 32) + (day - int(day.min()))
+        _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")
+        gs: list = [None] * len(first)
+        for u in order.tolist():
+            i = int(first[u])
+            topic, d = names[int(tidx[i])], int(day[i])
+            g = self.groups.get((topic, d))
+            gs[u] = self.group(topic, d, retention, today) if g is None else g
+        live = np.array([g is not _EXPIRED for g in gs], bool)
+        keep = live[inv]
+        rows = np.flatnonzero(keep)
+        self.expired_rows += b.n - len(rows)
+        if not len(rows):
+            return
+        table = self._table(b, mv)
+        gid = inv[rows]
+        totals = b.total[rows]
+        i, m = 0, len(rows)
+        while i < m:
+            end, flush = m, None  # flush: the group to write after record end-1, or "all"
+            cum = np.cumsum(totals[i:])
+            r = int(np.searchsorted(cum, BUFFER_BYTES - self.buffered))
+            for k in np.unique(gid[i:]).tolist():
+                sel = np.flatnonzero(gid[i:] == k)
+                j = int(np.searchsorted(np.cumsum(totals[i:][sel]), ROW_GROUP_BYTES - gs[k].buffered))
+                if j < len(sel) and i + int(sel[j]) + 1 <= end:
+                    end, flush = i + int(sel[j]) + 1, gs[k]
+            if r < len(cum) and (flush is None or i + r + 1 < end):  # a group's own limit is checked first
+                end, flush = i + r + 1, _ALL
+            part = gid[i:end]
+            for k in np.unique(part).tolist():
+                idx = rows[i:end][part == k]
+                g = gs[k]
+                n = len(idx)
+                first_row, last_row = int(idx[0]), int(idx[-1])
+                g.pieces.append(table.slice(first_row, n) if last_row - first_row + 1 == n
+                                else table.take(pa.array(idx)))
+                nbytes = int(b.total[idx].sum())
+                g.count += n
+                g.buffered += nbytes
+                self.buffered += nbytes
+            if flush is _ALL:
+                for other in self.groups.values():
+                    if other is not _EXPIRED:
+                        self._flush(other)
+            elif flush is not None:
+                self._flush(flush)
+            i = end
+
+    def _binary(self, mv: memoryview, at: np.ndarray, length: np.ndarray, kind=None):
+        """One Arrow binary (or *kind*) array of the byte ranges [at, at+length) of mv: one copy."""
+        pa = self._pa
+        offsets = np.zeros(len(at) + 1, np.int32)
+        np.cumsum(length, out=offsets[1:])
+        data = b"".join([mv[a:a + n] for a, n in zip(at.tolist(), length.tolist())])
+        return pa.Array.from_buffers(kind or pa.binary(), len(at), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+    def _text(self, mv: memoryview, at: np.ndarray, length: np.ndarray):
+        """A string array of byte ranges decoded as UTF-8, invalid sequences replaced (as bytes.decode does)."""
+        pa = self._pa
+        arr = self._binary(mv, at, length, pa.string())
+        try:
+            arr.validate(full=True)
+        except pa.ArrowInvalid:
+            arr = pa.array([bytes(mv[a:a + n]).decode("utf-8", "replace") for a, n in zip(at.tolist(),
+                                                                                          length.tolist())],
+                           pa.string())
+        return arr
+
+    def _hosts(self, mv: memoryview, at: np.ndarray, length: np.ndarray) -> tuple[list[tuple[str, str]], np.ndarray]:
+        """(unique hosts as (text, msgId hex), index of each record's host) for host fields at *at*."""
+        u8 = np.frombuffer(mv, np.uint8)
+        hosts: list[tuple[str, str]] = []
+        inv = np.zeros(len(at), np.int64)
+        for width in np.unique(length).tolist():
+            sel = np.flatnonzero(length == width)
+            raw = np.ascontiguousarray(u8[at[sel, None] + np.arange(width)]).view(f"V{width}").ravel()
+            uniq, back = np.unique(raw, return_inverse=True)
+            inv[sel] = back.ravel() + len(hosts)
+            for h in uniq:
+                h = bytes(h)
+                hosts.append(_host_text((h[:-4], int.from_bytes(h[-4:], "big", signed=True))))
+        return hosts, inv
+
+    def _table(self, b: Batch, mv: memoryview):
+        """The batch's columns in file order, with raw PROPERTIES in place of keys/tags/properties."""
+        pa, pc = self._pa, self._pc
+        ts = self.schema.field("store_timestamp").type
+        born, born_i = self._hosts(mv, b.born_at, b.born_len)
+        store, store_i = self._hosts(mv, b.store_at, b.store_len)
+        born_text = pc.take(pa.array([h[0] for h in born], pa.string()), pa.array(born_i))
+        store_text = pc.take(pa.array([h[0] for h in store], pa.string()), pa.array(store_i))
+        # msg_id: the store host's hex, then PHYSICALOFFSET as 16 hex digits (cl.message_id)
+        digits = _HEX[(b.phys.astype(np.uint64)[:, None] >> _NIBBLES) & np.uint64(15)]
+        widths = {len(h[1]) for h in store}
+        if len(widths) == 1:
+            w = widths.pop() + 16
+            pre = np.stack([np.frombuffer(h[1].encode(), np.uint8) for h in store])
+            chars = np.concatenate([pre[store_i], digits], axis=1)
+            offsets = np.arange(b.n + 1, dtype=np.int32) * w
+            msg_id = pa.Array.from_buffers(pa.string(), b.n, [None, pa.py_buffer(offsets),
+                                                               pa.py_buffer(np.ascontiguousarray(chars))])
+        else:
+            msg_id = pa.array([f"{store[s][1]}{p:016X}" for s, p in zip(store_i.tolist(), b.phys.tolist())],
+                              pa.string())
+        cols = {
+            "queue_id": pa.array(b.queue_id.astype(np.int32)), "queue_offset": pa.array(b.queue_offset),
+            "phys_offset": pa.array(b.phys), "store_timestamp": pa.array(b.store_ts).view(ts),
+            "born_timestamp": pa.array(b.born_ts).view(ts), "props_raw": self._text(mv, b.props_at, b.props_len),
+            "body": self._binary(mv, b.body_at, b.body_len), "body_crc": pa.array(b.body_crc.astype(np.int32)),
+            "sys_flag": pa.array(b.sys_flag.astype(np.int32)), "flag": pa.array(b.flag.astype(np.int32)),
+            "reconsume_times": pa.array(b.reconsume.astype(np.int32)), "born_host": born_text,
+            "store_host": store_text, "msg_id": msg_id,
+        }
+        return pa.table(cols)
+
+    # ------------------------------------------------------------------ files out
 
     def _filter_lists(self, offsets, keep, *values):
         """Drop the elements where `keep` is false from list columns sharing `offsets`: (new offsets, values)."""
@@ -335,40 +373,52 @@ class _Writer:
         starts = pa.concat_arrays([pa.array([0], pa.int32()), kept])
         return (pc.take(starts, offsets), *(pc.filter(v, keep) for v in values))
 
-    def _property_columns(self, raw: list[str]):
-        """(properties map, keys list, tags) of each record from its raw PROPERTIES string, column-wise."""
+    def _property_columns(self, raw):
+        """(properties map, keys list, tags) of each record from its raw PROPERTIES string, column-wise.
+
+        MessageDecoder.string2messageProperties: entries NAME\\1VALUE split by \\2, kept when name and value are
+        non-empty (the value is everything after the first \\1), the last of a name wins; TAGS is the last kept
+        TAGS value (null without one), KEYS the last kept KEYS value split on single spaces, empty tokens dropped.
+        """
         pa, pc = self._pa, self._pc
-        arr = pa.array(raw, pa.string())
+        arr = raw if isinstance(raw, pa.Array) else pa.array(raw, pa.string())
         entries = pc.split_pattern(arr, "\x02")
-        kv = pc.extract_regex(entries.flatten(), _ENTRY_RE)
-        keep = pc.fill_null(pc.is_valid(kv), False)
-        offsets, names, values = self._filter_lists(entries.offsets, keep, kv.field(0), kv.field(1))
-        props = pa.MapArray.from_arrays(offsets, names, values, type=self.schema.field("properties").type)
-        tags = pc.struct_field(pc.extract_regex(arr, _last_value_re(cl.PROPERTY_TAGS)), [0])
-        keys_text = pc.fill_null(pc.struct_field(pc.extract_regex(arr, _last_value_re(cl.PROPERTY_KEYS)), [0]), "")
-        tokens = pc.split_pattern(keys_text, cl.KEY_SEPARATOR)
-        flat = tokens.flatten()
-        koff, kvals = self._filter_lists(tokens.offsets, pc.greater(pc.utf8_length(flat), 0), flat)
+        parts = pc.split_pattern(entries.flatten(), "\x01", max_splits=1)
+        po = parts.offsets.to_numpy()
+        two = np.diff(po) == 2
+        flat = parts.flatten()
+        names = pc.take(flat, pa.array(po[:-1]))
+        values = pc.take(flat, pa.array(np.where(two, po[:-1] + 1, po[:-1])))
+        keep = two & (pc.binary_length(names).to_numpy(zero_copy_only=False) > 0) \
+            & (pc.binary_length(values).to_numpy(zero_copy_only=False) > 0)
+        offsets, kept_names, kept_values = self._filter_lists(entries.offsets, pa.array(keep), names, values)
+        props = pa.MapArray.from_arrays(offsets, kept_names, kept_values, type=self.schema.field("properties").type)
+        parent = pc.list_parent_indices(entries).to_numpy()
+
+        def last(name: str):
+            """Per record: the value of its last kept entry called *name*, or null."""
+            hit = np.flatnonzero(keep & pc.equal(names, name).to_numpy(zero_copy_only=False))
+            par = parent[hit]
+            end = np.append(par[1:] != par[:-1], True) if len(hit) else np.zeros(0, bool)
+            pick = np.full(len(arr), -1, np.int64)
+            pick[par[end]] = hit[end]
+            return pc.take(values, pa.array(pick, mask=pick < 0))
+
+        tags = last(cl.PROPERTY_TAGS)
+        tokens = pc.split_pattern(pc.fill_null(last(cl.PROPERTY_KEYS), ""), cl.KEY_SEPARATOR)
+        tflat = tokens.flatten()
+        koff, kvals = self._filter_lists(tokens.offsets, pc.greater(pc.binary_length(tflat), 0), tflat)
         keys = pa.ListArray.from_arrays(koff, kvals, type=self.schema.field("keys").type)
         return props, keys, tags
 
     def _flush(self, g: _Group) -> None:
-        if not g.rows:
+        if not g.pieces:
             return
         pa = self._pa
-        fixed, bodies, props_raw, born, store, ids = zip(*g.rows)
-        props, keys, tags = self._property_columns(props_raw)
-        cols = {
-            "queue_id": [x[3] for x in fixed], "queue_offset": [x[5] for x in fixed],
-            "phys_offset": [x[6] for x in fixed], "store_timestamp": [x[11] for x in fixed],
-            "born_timestamp": [x[8] for x in fixed], "keys": keys, "tags": tags, "properties": props,
-            "body": bodies, "body_crc": [x[2] for x in fixed], "sys_flag": [x[7] for x in fixed],
-            "flag": [x[4] for x in fixed], "reconsume_times": [x[14] for x in fixed], "born_host": born,
-            "store_host": store, "msg_id": ids,
-        }
-        table = pa.Table.from_arrays(
-            [c if isinstance(c, (pa.Array, pa.ChunkedArray)) else pa.array(c, type=self.schema.field(n).type)
-             for n, c in ((n, cols[n]) for n in _COLS)], schema=self.schema)
+        t = pa.concat_tables(g.pieces).combine_chunks()
+        cols = {n: t.column(n).chunk(0) for n in t.column_names}
+        cols["properties"], cols["keys"], cols["tags"] = self._property_columns(cols.pop("props_raw"))
+        table = pa.Table.from_arrays([cols[n] for n in _COLS], schema=self.schema)
         if g.writer is None:
             import pyarrow.parquet as pq
 
@@ -376,7 +426,7 @@ class _Writer:
         g.writer.write_table(table)
         self.buffered -= g.buffered
         g.buffered = 0
-        g.rows = []
+        g.pieces = []
 
     def finish(self) -> list[_Group]:
         live = [g for g in self.groups.values() if g is not _EXPIRED]
@@ -402,8 +452,8 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
 
     Rows of partitions that retention already expired are skipped (counted in `expired_rows`), so the sweep
     does not delete what was just written. `read` defaults to tasks.read_segment (raw chunks or lz4c, crc-checked).
-    Records are not decoded into message objects: each is one struct unpack of its fixed fields plus slices,
-    buffered per (topic, date); the properties are parsed column-wise when a group is written.
+    Records are never decoded one by one: the walk (tierfs.spark.walk.batches) hands over batches of records as
+    arrays, and each becomes Arrow columns.
     """
     if read is None:
         from tierfs.spark.tasks import read_segment as read
@@ -417,24 +467,11 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             consumed += len(b)
             yield b
 
-    expired_rows = 0
-    fixed_struct = cl._fixed_struct
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-") as tmp:
         w = _Writer(tmp)
-        groups = w.groups
         try:
-            for buf, pos, _, lay in _records(counted(read(store, seg)), name, size):
-                f = fixed_struct(lay[0]).unpack_from(buf, pos)
-                topic_at = pos + lay[5]
-                topic = bytes(buf[topic_at:topic_at + lay[6]])
-                day = f[11] // DAY_MS
-                g = groups.get((topic, day))
-                if g is None:
-                    g = w.group(topic, day, retention, today)
-                if g is _EXPIRED:
-                    expired_rows += 1
-                    continue
-                w.add(g, buf, pos, lay, f)
+            for batch in batches(counted(read(store, seg)), name, size):
+                w.add(batch, retention, today)
             done = w.finish()
         except BaseException:
             w.abort()
@@ -447,7 +484,7 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             nbytes += info.size
             rows += g.count
     return {"path": path, "generation": gen, "rows": rows, "keys": keys, "bytes": nbytes,
-            "expired_rows": expired_rows, "bytes_read": consumed}
+            "expired_rows": w.expired_rows, "bytes_read": consumed}
 
 
 # ---------------------------------------------------------------------------------------------------- driver sweep

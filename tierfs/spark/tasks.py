@@ -9,19 +9,23 @@ object key. A SEG dict is a catalog entry as in the pipeline contract: path, kin
 
 from __future__ import annotations
 
-import os
-import tempfile
+import collections
+import concurrent.futures
+import functools
 from typing import Any, Iterator
 
 import crc32c as _crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
+from tierfs.objectstore.base import spool_put
 from tierfs.store import cidx
 from tierfs.tier import layout, lz4c
 
 __all__ = ["SegmentError", "read_segment", "compact_segment", "build_index_sidecar"]
 
 _READ_BYTES = 16 << 20  # at most this much per GET while streaming a segment (rounded to whole blocks)
+_READ_AHEAD = 1         # GETs in flight beyond the one being consumed (a thread overlaps them with the work)
+STREAM_MAX_BYTES = 4 << 30  # compact_segment streams segments up to this size into put_stream, spools larger ones
 
 
 class SegmentError(Exception):
@@ -47,13 +51,43 @@ def _blocks_per_read(block_bytes: int) -> int:
     return max(1, _READ_BYTES // block_bytes)
 
 
+def _read_ahead(store: ObjectStore, ranges: list[tuple[str, int, int]]) -> Iterator[tuple[bytes, Exception | None]]:
+    """(data, None) for each ranged GET (key, offset, length), in order, the next _READ_AHEAD GETs already in
+    flight on a helper thread while the caller works on the current one; (b"", error) for a GET that failed (the
+    caller names the object, and stops)."""
+    def get(r: tuple[str, int, int]) -> tuple[bytes, Exception | None]:
+        try:
+            return store.get_range(*r), None
+        except ObjectStoreError as e:
+            return b"", e
+
+    if len(ranges) <= 1:
+        yield from map(get, ranges)
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierfs-read-ahead") as pool:
+        pending: collections.deque = collections.deque(pool.submit(get, r) for r in ranges[:_READ_AHEAD + 1])
+        todo = iter(ranges[_READ_AHEAD + 1:])
+        try:
+            while pending:
+                fut = pending.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(pool.submit(get, nxt))
+                yield fut.result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+
 # ------------------------------------------------------------------------------------------------ read
 
 
-def read_segment(store: ObjectStore, seg: dict) -> Iterator[bytes]:
-    """Yield the segment's content block by block (``block_bytes`` each, the last maybe shorter), from its raw chunk
-    objects or its lz4c object. Every block is checked against its crc32c before it is yielded, and the whole
-    content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of finishing)."""
+def read_segment(store: ObjectStore, seg: dict) -> Iterator[bytes | memoryview]:
+    """Yield the segment's content block by block (``block_bytes`` each, the last maybe shorter; bytes or read-only
+    memoryviews of a larger GET, never copied), from its raw chunk objects or its lz4c object, the next GET in
+    flight while the caller works on the current one. Every block is checked against its crc32c before it is
+    yielded, and the whole content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of
+    finishing)."""
     fmt = seg.get("format")
     if fmt == "raw":
         return _read_raw(store, seg)
@@ -90,29 +124,26 @@ def _read_raw(store: ObjectStore, seg: dict) -> Iterator[bytes]:
     if len(crcs) != nblocks:
         raise SegmentError(f"{_name(seg)}: {len(crcs)} block crc32c values listed, {size} bytes need {nblocks}")
     step = _blocks_per_read(bb) * bb
+    ranges = [(key, rel, min(step, min(chunk, size - i * chunk) - rel))
+              for i, key in enumerate(objects) for rel in range(0, min(chunk, size - i * chunk), step)]
     crc, b = 0, 0
-    for i, key in enumerate(objects):
-        length = min(chunk, size - i * chunk)
-        for rel in range(0, length, step):
-            n = min(step, length - rel)
-            try:
-                data = store.get_range(key, rel, n)
-            except ObjectStoreError as e:
-                raise SegmentError(f"{_name(seg)}: chunk object {key!r}: {type(e).__name__}: {e}") from e
-            if len(data) != n:
-                raise SegmentError(f"{_name(seg)}: chunk object {key!r} returned {len(data)} bytes at {rel}, "
-                                   f"expected {n}")
-            mv = memoryview(data)
-            for pos in range(0, n, bb):
-                block = mv[pos:pos + bb]
-                got = _crc(block)
-                if got != crcs[b]:
-                    raise SegmentError(f"{_name(seg)}: chunk object {key!r} is corrupt: block {b} (object bytes "
-                                       f"[{rel + pos}, {rel + pos + len(block)})) has crc32c {got:08x}, the "
-                                       f"catalog says {crcs[b]:08x}")
-                crc = _crc(block, crc)
-                b += 1
-                yield block.tobytes() if len(block) != n else data
+    for (key, rel, n), (data, err) in zip(ranges, _read_ahead(store, ranges)):
+        if err is not None:
+            raise SegmentError(f"{_name(seg)}: chunk object {key!r}: {type(err).__name__}: {err}") from err
+        if len(data) != n:
+            raise SegmentError(f"{_name(seg)}: chunk object {key!r} returned {len(data)} bytes at {rel}, "
+                               f"expected {n}")
+        mv = memoryview(data)
+        for pos in range(0, n, bb):
+            block = mv[pos:pos + bb]
+            got = _crc(block)
+            if got != crcs[b]:
+                raise SegmentError(f"{_name(seg)}: chunk object {key!r} is corrupt: block {b} (object bytes "
+                                   f"[{rel + pos}, {rel + pos + len(block)})) has crc32c {got:08x}, the "
+                                   f"catalog says {crcs[b]:08x}")
+            crc = _crc(block, crc)
+            b += 1
+            yield block
     _check_content(seg, crc, size)
 
 
@@ -122,14 +153,11 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
         raise SegmentError(f"{_name(seg)}: an lz4c segment has exactly one object, {len(objects)} are listed")
     key = objects[0]
 
-    def read(off: int, n: int) -> bytes:
-        return store.get_range(key, off, n)
-
     try:
-        info = store.head(key)
-        if info is None:
-            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} does not exist")
-        f = lz4c.read_footer(read, info.size)
+        try:
+            f = lz4c.read_object_footer(store, key)
+        except lz4c.ObjectMissing:
+            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} does not exist") from None
         t = f.trailer
         if (t.size, t.block_bytes) != (size, bb):
             raise SegmentError(f"{_name(seg)}: lz4c object {key!r} holds {t.size} bytes in blocks of {t.block_bytes}, "
@@ -144,14 +172,16 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
             raise SegmentError(f"{_name(seg)}: lz4c object {key!r}: block {bad}'s crc32c differs from the catalog's")
         per = _blocks_per_read(bb)
         crc = 0
-        for first in range(0, t.nblocks, per):
-            n = min(per, t.nblocks - first)
-            off, length = lz4c.block_span(f, first, n)
-            data = memoryview(read(off, length))
+        firsts = range(0, t.nblocks, per)
+        spans = [lz4c.block_span(f, first, min(per, t.nblocks - first)) for first in firsts]
+        for first, (off, length), (raw, err) in zip(firsts, spans, _read_ahead(store, [(key, *sp) for sp in spans])):
+            if err is not None:
+                raise err
+            data = memoryview(raw)
             if len(data) != length:
                 raise SegmentError(f"{_name(seg)}: lz4c object {key!r} returned {len(data)} bytes at {off}, "
                                    f"expected {length}")
-            for b in range(first, first + n):
+            for b in range(first, min(first + per, t.nblocks)):
                 rel = f.coff[b] - off
                 block = lz4c.decode_blocks(f, b, 1, data[rel:rel + f.clen[b]])
                 crc = _crc(block, crc)
@@ -172,8 +202,10 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
 def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str | None = None) -> dict:
     """Rewrite a raw segment as one lz4c object (``layout.lz4c_key``); return its ``segments[]`` result row.
 
-    The object is streamed to a temporary file (in *tmp_dir*, default $TMPDIR) and uploaded with ``put_file`` (a
-    multipart upload on S3) only after its whole content was checked against the catalog's size and crc32c.
+    Reads run one GET ahead of the encoder and the compressed blocks stream into ``store.put_stream`` as they are
+    produced (on S3, parts upload while the encoder works; elsewhere the object is collected in memory or, when
+    large, in a temporary file in *tmp_dir*). The stream ends with an error, so nothing is stored, unless the whole
+    content matched the catalog's size and crc32c.
     """
     path, gen = _field(seg, "path", str), _field(seg, "generation", int)
     if seg.get("format") != "raw":
@@ -182,32 +214,30 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
     size, bb, _ = _common(seg)
     key = layout.lz4c_key(store_id, path, gen)
     w = lz4c.Lz4cWriter(bb)
-    obj_crc = 0
-    fd, tmp = tempfile.mkstemp(prefix="tierfs-lz4c-", suffix=".tmp", dir=tmp_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for block in read_segment(store, seg):
-                out = w.add(block)
-                if out:
-                    f.write(out)
-                    obj_crc = _crc(out, obj_crc)
-            out = w.finish()
-            f.write(out)
-            obj_crc = _crc(out, obj_crc)
+
+    def produce() -> Iterator[bytes]:
+        for block in read_segment(store, seg):
+            out = w.add(block)
+            if out:
+                yield out
+        yield w.finish()
         if w.size != size or w.content_crc32c != want:
             raise SegmentError(f"{_name(seg)}: compacted content is {w.size} bytes with crc32c "
                                f"{w.content_crc32c:08x}; the catalog says {size} bytes with crc32c {want:08x}")
-        meta = {"tierfs-format": "lz4c", "tierfs-size": str(size),
+
+    def meta() -> dict[str, str]:  # called when the stream has ended: the content crc32c is known then
+        return {"tierfs-format": "lz4c", "tierfs-size": str(size),
                 "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
-        try:
-            info = store.put_file(key, tmp, metadata=meta, crc32c=obj_crc)
-        except ObjectStoreError as e:
-            raise SegmentError(f"{_name(seg)}: upload of lz4c object {key!r}: {type(e).__name__}: {e}") from e
-        if info.size != w.compressed_size:
-            raise SegmentError(f"{_name(seg)}: lz4c object {key!r} was stored with {info.size} bytes, "
-                               f"{w.compressed_size} were uploaded")
-    finally:
-        os.unlink(tmp)
+
+    # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
+    put = store.put_stream if size <= STREAM_MAX_BYTES else functools.partial(spool_put, store)
+    try:
+        info = put(key, produce(), metadata=meta, spool_dir=tmp_dir)
+    except ObjectStoreError as e:
+        raise SegmentError(f"{_name(seg)}: upload of lz4c object {key!r}: {type(e).__name__}: {e}") from e
+    if info.size != w.compressed_size:
+        raise SegmentError(f"{_name(seg)}: lz4c object {key!r} was stored with {info.size} bytes, "
+                           f"{w.compressed_size} were uploaded")
     return {"path": path, "generation": gen, "format": "lz4c", "key": key, "size": size,
             "compressed_bytes": w.compressed_size, "crc32c": w.content_crc32c, "block_bytes": bb}
 

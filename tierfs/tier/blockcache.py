@@ -21,7 +21,6 @@ import crc32c
 import trio
 
 from tierfs import failpoints
-from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.paths import Kind
 from tierfs.tier import layout, lz4c
@@ -36,14 +35,6 @@ log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
 PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
-
-
-def read_lz4c_footer(store: ObjectStore, key: str) -> "lz4c.Footer":
-    """Blocking: HEAD, then the trailer and footer (one ranged GET of the object's tail, rarely two)."""
-    info = store.head(key)
-    if info is None:
-        raise ObjectNotFound(key, "lz4c object is missing")
-    return lz4c.read_footer(lambda off, n: store.get_range(key, off, n), info.size)
 
 
 def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
@@ -210,7 +201,10 @@ class BlockCache:
         """An lz4c object's block table, fetched once (trailer, then footer) and kept in memory."""
         footer = self.footers.get(key)
         if footer is None:
-            footer = await self.eng.io(read_lz4c_footer, self.eng.store, key)
+            try:
+                footer = await self.eng.io(lz4c.read_object_footer, self.eng.store, key)
+            except lz4c.ObjectMissing:
+                raise ObjectNotFound(key, "lz4c object is missing") from None
             self.footers[key] = footer
         return footer
 

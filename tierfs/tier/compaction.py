@@ -92,9 +92,7 @@ def seg_record(e: Entry) -> dict:
 
 def verify_lz4c(store: ObjectStore, key: str, e: Entry) -> lz4c.Footer:
     """Blocking: the object's decompressed content must be the catalog's, block by block and as a whole."""
-    from tierfs.tier.blockcache import read_lz4c_footer
-
-    footer = read_lz4c_footer(store, key)
+    footer = lz4c.read_object_footer(store, key)
     t = footer.trailer
     if t.size != e.size or t.block_bytes != e.block_bytes or t.nblocks != e.nblocks:
         raise lz4c.Lz4cError(f"{key}: shape {t.size} bytes / {t.nblocks} blocks of {t.block_bytes} does not match "

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import crc32c as _crc32c
 import lz4.block
 
 __all__ = [
     "MAGIC", "TRAILER_SIZE", "ENTRY_SIZE", "FLAG_RAW", "MAX_BLOCK_BYTES", "Lz4cError", "Lz4cWriter", "Trailer",
-    "Footer", "parse_trailer", "parse_footer", "read_footer", "block_span", "block_range", "decode_blocks", "encode",
-    "decode",
+    "Footer", "ObjectMissing", "RangedStore", "parse_trailer", "parse_footer", "read_footer", "read_object_footer",
+    "block_span", "block_range", "decode_blocks", "encode", "decode",
 ]
 
 MAGIC = b"TLZ4C\0\0\1"
@@ -236,6 +236,28 @@ def read_footer(read: Callable[[int, int], bytes], object_size: int) -> Footer:
     if rel >= 0:
         return parse_footer(t, memoryview(tail)[rel:rel + t.footer_length])
     return parse_footer(t, read(t.footer_offset, t.footer_length))
+
+
+class ObjectMissing(LookupError):
+    """read_object_footer: the store has no object under the key (not a malformed object: no Lz4cError)."""
+
+
+class RangedStore(Protocol):
+    """What read_object_footer needs of an object store (tierfs.objectstore.ObjectStore has it)."""
+
+    def head(self, key: str) -> Any: ...  # an object with .size, or None when there is no such object
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+
+def read_object_footer(store: RangedStore, key: str) -> Footer:
+    """Trailer and footer of the lz4c object *key* of an object store: a HEAD for its size, then
+    :func:`read_footer` (one ranged GET of the tail, a second only for a footer larger than that tail).
+    Raises :class:`ObjectMissing` when the HEAD finds no object, Lz4cError when the object is malformed."""
+    info = store.head(key)
+    if info is None:
+        raise ObjectMissing(f"lz4c object {key!r} does not exist")
+    return read_footer(lambda off, n: store.get_range(key, off, n), info.size)
 
 
 def _check_blocks(f: Footer, first: int, n: int) -> None:
