@@ -27,6 +27,7 @@ from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
 from test_tiering import TIER_OPTS
 
 from tierfs.objectstore import open_store
+from tierfs.objectstore.base import ObjectStoreError
 from tierfs.tier import snapshot as snap
 
 RPO = 2.0
@@ -271,3 +272,34 @@ def test_rpo_config_is_documented():
 
     assert "tiering.rpo_seconds" in schema_markdown()
     assert CONSUMER.exists()
+
+
+def test_force_names_the_holder_and_fencing_is_final(tmp_path):
+    """In process: --force must name the holder in force; the writer taken over is fenced by the store's word
+    (verify), says so, and never takes the lease again in its life, not even once the new one is released."""
+    from tierfs.tier.lease import LeaseHeld, WriterLease
+
+    store = open_store(f"file://{tmp_path}")
+    old = WriterLease(store, "sid", tmp_path / "hot-a", tmp_path / "mnt-a", ttl=60, host="a")
+    new = WriterLease(store, "sid", tmp_path / "hot-b", tmp_path / "mnt-b", ttl=60, host="b")
+    old.acquire()
+    with pytest.raises(LeaseHeld, match=r"--force 'a:/nowhere' does not name the holder in force"):
+        new.acquire(force="a:/nowhere")
+    new.acquire(force=old.id)
+    assert new.epoch == old.epoch + 1 and old.held()  # the old writer's own clock still says held...
+    with pytest.raises(ObjectStoreError, match="fenced"):
+        old.verify()  # ...the store says otherwise
+    assert old.fenced and not old.held()
+    new.release()
+    with pytest.raises(LeaseHeld):
+        old.acquire()  # a released lease is free for anyone but a writer that was taken over
+
+
+def test_append_ranges_merge_and_cover():
+    from tierfs.tier.appendlog import TailObject, coalesce, covered_by
+
+    assert coalesce([(100, 200), (0, 10), (150, 300), (9000, 9100)], 9050, gap=1000) == [(0, 300), (9000, 9050)]
+    assert coalesce([(0, 10), (20, 30)], 100, gap=0) == [(0, 10), (20, 30)]
+    merged = coalesce([(0, 4096), (4096, 8192)], 1 << 20, 0)
+    assert covered_by(TailObject("k", 100, 5000, 0), merged)
+    assert not covered_by(TailObject("k", 8000, 500, 0), merged)
