@@ -18,7 +18,12 @@ It reads a store the way the broker does and checks every byte it can:
 
 ``--recover`` accepts a crashed store (``abort`` present): only the valid prefix counts, CQ units that point
 at or beyond the commitlog's valid end are ignored, and the single in-flight message at the crash point may be
-missing from its CQ or index. Exit 0 on success, 1 with a precise message on the first mismatch.
+missing from its CQ or index. ``--redispatch`` (implies ``--recover``) accepts a store taken from the hot dir
+at an instant while the writer ran (a killed tierfs daemon, or a ``tierfs mount --takeover``): ConsumeQueues and
+IndexFiles may then lag the CommitLog by whatever the writer had not flushed yet, as the broker's abnormal
+recovery expects (it re-dispatches CommitLog records past the ConsumeQueues); every CQ unit present must still
+be right, in order from the first, and ``cq_lag_units`` counts the records not dispatched yet.
+Exit 0 on success, 1 with a precise message on the first mismatch.
 A JSON summary is printed on the last stdout line.
 """
 
@@ -80,7 +85,10 @@ class Consumer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.a = args
         self.root = Path(args.store_dir)
-        self.recover = args.recover
+        self.redispatch = bool(getattr(args, "redispatch", False))
+        self.recover = args.recover or self.redispatch
+        self.cq_end_phys: dict[tuple[str, int], int] = {}  # phys offset of each queue's last valid unit
+        self.lag_from = 1 << 62  # --redispatch: records at or past this phys offset may be undispatched
         self.segments: list[Segment] = []
         self.seg_size = 0
         self.first_start = 0
@@ -232,6 +240,7 @@ class Consumer:
                     cq_counts[(tdir.name, qid)] = n
                     nfiles += files
                     units_total += n
+        lag = 0
         for qk in set(cq_counts) | set(self.queue_counts):
             want = self.queue_counts.get(qk, 0)
             got = cq_counts.get(qk, 0)
@@ -239,8 +248,14 @@ class Consumer:
                 continue
             if self.recover and qk == self.last_queue and got == want - 1:
                 continue  # crash between the commitlog append and the dispatch of the last message
+            if self.redispatch and got < want:
+                lag += want - got  # not dispatched yet when the hot dir was taken
+                self.lag_from = min(self.lag_from, self.cq_end_phys.get(qk, -1) + 1)
+                continue
             raise Mismatch(f"queue {qk[0]}/{qk[1]}: {got} valid CQ units but {want} commitlog records")
         self.summary["cq_files"] = nfiles
+        if self.redispatch:
+            self.summary["cq_lag_units"] = lag
         self.summary["cq_units"] = units_total
         self.summary["queues"] = len(cq_counts)
 
@@ -296,6 +311,7 @@ class Consumer:
                     raise Mismatch(f"{where}: {err}")
                 valid += 1
                 index += 1
+                self.cq_end_phys[(topic, qid)] = unit.phys_offset
             if stop:
                 break
         return valid, len(files)
@@ -374,6 +390,10 @@ class Consumer:
         step = (n - 1) / max(k - 1, 1)
         return sorted({round(i * step) for i in range(k)})
 
+    def _index_end(self) -> int:
+        """The physical offset up to which the IndexFiles say they hold keys (their headers' endPhyOffset)."""
+        return max((h.end_phy_offset for h in self.index_headers), default=0)
+
     def check_keys(self) -> None:
         k = self.a.check_keys
         seqs = self._pick_seqs(k)
@@ -392,6 +412,9 @@ class Consumer:
                 if found != [phys]:
                     if self.recover and seq == last_seq and not found:
                         missing_last += 1  # crash between the commitlog append and the index put
+                        continue
+                    if self.redispatch and not found and phys >= min(self.lag_from, self._index_end()):
+                        missing_last += 1  # not indexed yet when the hot dir was taken
                         continue
                     raise Mismatch(f"key {rec.topic}#{key} (message {seq} at {phys}): index lookup resolved to {found}")
                 checked += 1
@@ -460,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-keys", type=int, default=100,
                    help="messages whose keys (KEYS tokens + UNIQ_KEY) are looked up; -1 = all, 0 = none")
     p.add_argument("--recover", action="store_true", help="accept a crashed store: verify its valid prefix")
+    p.add_argument("--redispatch", action="store_true",
+                   help="with a store taken from a running writer's hot dir (tierfs takeover): ConsumeQueues and "
+                        "IndexFiles may lag the CommitLog (implies --recover)")
     p.add_argument("--json", action="store_true", help="only JSON on stdout (errors as JSON too)")
     p.add_argument("--seed", type=int, default=None, help="producer seed (default: read from the first body)")
     p.add_argument("--index-slots", type=int, default=None, help="maxHashSlotNum (default: inferred)")

@@ -28,9 +28,23 @@ def _fail(msg: str, code: int = 2) -> int:
 def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
     """(hot dir, mountpoint) of a mount. `--read-only --from URL MOUNTPOINT`: the store comes from the bucket's
     newest catalog snapshot, and the hot dir is a local cache of it (CACHE_DIR/tree); config gets the store."""
+    if args.follow and not args.read_only:
+        raise ValueError("--follow goes with --read-only (a reader that refreshes from the bucket)")
+    if args.force and not args.takeover:
+        raise ValueError("--force goes with --takeover (it names the lease holder a takeover overrides)")
+    if args.takeover:
+        if args.read_only or args.cache_dir:
+            raise ValueError("--takeover makes a writable mount: no --read-only or --cache-dir")
+        if not args.from_url:
+            raise ValueError("--takeover needs --from file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+        if args.mountpoint is None:
+            args.parser.error("--takeover needs HOT_DIR (new and empty) and MOUNTPOINT")
+        _store_from_url(args.from_url, config)
+        return args.hot_dir, args.mountpoint
     if not args.read_only:
         if args.from_url or args.cache_dir:
-            raise ValueError("--from and --cache-dir go with --read-only (a writable mount has its own HOT_DIR)")
+            raise ValueError("--from and --cache-dir go with --read-only or --takeover (a writable mount has its "
+                             "own HOT_DIR)")
         if args.mountpoint is None:
             args.parser.error("the following arguments are required: MOUNTPOINT")
         return args.hot_dir, args.mountpoint
@@ -39,15 +53,9 @@ def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
     if args.mountpoint is not None:
         raise ValueError("a read-only mount takes one directory, the MOUNTPOINT: the store comes from --from, "
                          "and --cache-dir holds what was fetched")
-    from tierfs.tier.snapshot import default_cache_dir, split_from_url  # noqa: PLC0415
+    from tierfs.tier.snapshot import default_cache_dir  # noqa: PLC0415
 
-    url, sid = split_from_url(args.from_url)
-    for key, value in (("objectstore.url", url), ("store.id", sid)):
-        if config[key] and config[key].rstrip("/") != value:
-            raise ValueError(f"config key '{key}' is {config[key]!r} but --from names {value!r}; drop one of them")
-        config.set(key, value)
-    if url.startswith("file://") and not os.path.isdir(url[len("file://"):]):
-        raise ValueError(f"--from {args.from_url}: {url[len('file://'):]} is not a directory")
+    _store_from_url(args.from_url, config)
     cache = Path(args.cache_dir or default_cache_dir(args.from_url)).absolute()
     try:
         (cache / "tree").mkdir(parents=True, exist_ok=True)
@@ -55,6 +63,19 @@ def _mount_dirs(args: argparse.Namespace, config: Config) -> tuple[str, str]:
         raise ValueError(f"cannot create the read-only cache {cache / 'tree'} ({e.strerror}); "
                          f"choose a directory with --cache-dir") from None
     return str(cache / "tree"), args.hot_dir
+
+
+def _store_from_url(from_url: str, config: Config) -> None:
+    """--from URL sets objectstore.url and store.id (a config that says otherwise is refused)."""
+    from tierfs.tier.snapshot import split_from_url  # noqa: PLC0415
+
+    url, sid = split_from_url(from_url)
+    for key, value in (("objectstore.url", url), ("store.id", sid)):
+        if config[key] and config[key].rstrip("/") != value:
+            raise ValueError(f"config key '{key}' is {config[key]!r} but --from names {value!r}; drop one of them")
+        config.set(key, value)
+    if url.startswith("file://") and not os.path.isdir(url[len("file://"):]):
+        raise ValueError(f"--from {from_url}: {url[len('file://'):]} is not a directory")
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -72,7 +93,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         try:
             return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True,
-                         read_only=args.read_only)
+                         read_only=args.read_only, takeover=args.takeover, takeover_force=args.force,
+                         follow=args.follow)
         except MountError as e:
             return _fail(str(e))
     log_file = paths.log_file(config)
@@ -82,6 +104,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-P", "-m", "tierfs", "mount", str(paths.hot), str(paths.mountpoint), "--foreground"]
     if args.read_only:
         cmd[5:6] = ["--read-only", "--from", args.from_url, "--cache-dir", str(paths.hot.parent)]
+        if args.follow:
+            cmd.append("--follow")
+    if args.takeover:
+        cmd += ["--takeover", "--from", args.from_url] + (["--force", args.force] if args.force else [])
     if args.config:
         cmd += ["--config", os.path.abspath(args.config)]
     for o in args.options or ():
@@ -104,7 +130,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _fail(f"mounting {what} at {paths.mountpoint} failed:\n  " + "\n  ".join(tail or ["(no output)"])
                      + f"\nlog: {log_file}", 1)
     os.replace(err_file, paths.state / "daemon.stderr")
-    src = f"{args.from_url} read-only (cache {paths.hot.parent})" if args.read_only else paths.hot
+    src = f"{args.from_url} read-only (cache {paths.hot.parent})" if args.read_only else \
+        f"{args.from_url} taken over into {paths.hot}" if args.takeover else paths.hot
     print(f"tierfs: mounted {src} at {paths.mountpoint} (pid {proc.pid}, log {log_file})")
     return 0
 
@@ -194,13 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("mount", help="mount a store backed by HOT_DIR at MOUNTPOINT",
                        description="tierfs mount HOT_DIR MOUNTPOINT, or read-only from a bucket: "
-                                   "tierfs mount --read-only --from URL MOUNTPOINT")
+                                   "tierfs mount --read-only --from URL MOUNTPOINT, or a takeover of a lost "
+                                   "writer's store: tierfs mount --takeover [--force HOLDER] --from URL HOT_DIR "
+                                   "MOUNTPOINT")
     m.add_argument("hot_dir", metavar="HOT_DIR", help="the local hot dir (with --read-only: the MOUNTPOINT)")
     m.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?")
     m.add_argument("--read-only", action="store_true",
                    help="serve the newest catalog snapshot of a store from the object store alone (EROFS on writes)")
     m.add_argument("--from", dest="from_url", metavar="URL",
-                   help="with --read-only: file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+                   help="with --read-only or --takeover: file:///PATH/STORE_ID or s3://BUCKET[/PREFIX]/STORE_ID")
+    m.add_argument("--follow", action="store_true",
+                   help="with --read-only: refresh from the bucket's newest consistent point every "
+                        "tiering.rpo_seconds")
+    m.add_argument("--takeover", action="store_true",
+                   help="with --from: a writable mount of a lost writer's store on a new, empty HOT_DIR, from the "
+                        "bucket's newest consistent point (takes the writer lease once it expired)")
+    m.add_argument("--force", metavar="HOLDER",
+                   help="with --takeover: take the lease now, overriding HOLDER (host:hot dir, as the refusal names "
+                        "it); that writer is fenced")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="with --read-only: local cache (default /var/cache/tierfs/<store id>-<hash>)")
     m.add_argument("--config", metavar="FILE", help="TOML configuration file")

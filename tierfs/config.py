@@ -160,6 +160,11 @@ SCHEMA: tuple[Key, ...] = (
         "Empty: found by layout (dirs holding commitlog/, consumequeue/ or index/, up to 3 levels down)."),
     # --- seal, upload, eviction ---------------------------------------------------------------------
     Key("tiering.enabled", "bool", True, "Seal, upload and evict segments. Off: a plain local passthrough."),
+    Key("tiering.rpo_seconds", "float", 10.0,
+        "Continuous tiering of active files (needs objectstore.url): every this many seconds the bytes written to "
+        "active segments go up as append objects, mutable files as blobs, then a catalog snapshot naming them, "
+        "so the bucket holds a consistent point no older than this (for --takeover and --follow). 0: off "
+        "(active files reach the bucket only in the periodic snapshot).", minimum=0),
     Key("seal.quiet_seconds", "float", 10.0,
         "A segment is sealed only after its content is complete, flushed, and unwritten for this long.", minimum=0),
     Key("seal.scan_interval_seconds", "float", 30.0, "Period of the full scan for sealable segments.",

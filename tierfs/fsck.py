@@ -47,6 +47,7 @@ import crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
 from tierfs.tier import layout, storeconfig
+from tierfs.tier.appendlog import data_extents
 from tierfs.tier.catalog import _COLS, Catalog, Entry, State
 
 EXIT_CLEAN, EXIT_DAMAGE, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
@@ -220,25 +221,6 @@ KINDS = {
 
 
 # ------------------------------------------------------------------------------------------------ file helpers
-
-
-def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
-    """Maximal [start, end) ranges holding data (SEEK_DATA/SEEK_HOLE), below `size`."""
-    out = []
-    off = 0
-    while off < size:
-        try:
-            start = os.lseek(fd, off, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno == errno.ENXIO:
-                break
-            raise
-        if start >= size:
-            break
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        out.append((start, min(end, size)))
-        off = end
-    return out
 
 
 def covered(extents: list[tuple[int, int]], lo: int, hi: int) -> bool:

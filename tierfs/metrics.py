@@ -191,9 +191,23 @@ class StateCollector:
         restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Restarts of a supervised background worker "
                                        "after it failed (the mount stays up).", labels=["worker"])
         for name in ("sealer", "uploader", "evictor", "janitor", "snapshotter", "compaction", "lease",
-                     "upload-sweep"):
+                     "upload-sweep", "appendlog"):
             restarts.add_metric([name], eng.workers.restarts.get(name, 0))
         yield restarts
+        alog = getattr(eng, "appendlog", None)
+        if alog is not None:
+            lag = GaugeMetricFamily(PREFIX + "rpo_lag_seconds", "Achieved RPO: age of the oldest write the bucket "
+                                    "does not hold yet, per kind (0: it holds all).", labels=["kind"])
+            got = alog.lag()
+            for kind in sorted({"commitlog", "consumequeue", "index", "mutable", *got}):
+                lag.add_metric([kind], got.get(kind, 0.0))
+            yield lag
+            yield CounterMetricFamily(PREFIX + "append_objects", "Append objects of active segments uploaded.",
+                                      value=alog.puts)
+            yield CounterMetricFamily(PREFIX + "append_bytes", "Bytes of append objects uploaded.",
+                                      value=alog.put_bytes)
+            yield CounterMetricFamily(PREFIX + "rpo_rounds", "Continuous-tiering rounds that published a "
+                                      "consistent point.", value=alog.rounds)
         s = eng.stats
         yield CounterMetricFamily(PREFIX + "uploads", "Segments uploaded and verified.", value=s.uploads)
         yield CounterMetricFamily(PREFIX + "uploaded_bytes", "Bytes of segments uploaded and verified.",

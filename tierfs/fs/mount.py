@@ -228,7 +228,8 @@ def raise_fd_limit() -> tuple[int, int]:
 
 
 def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = True,
-          read_only: bool = False) -> int:
+          read_only: bool = False, takeover_force: str | None = None, takeover: bool = False,
+          follow: bool = False) -> int:
     """Mount and serve until unmounted or signalled. Returns the process exit code. `read_only`: HOT_DIR is the
     cache of a mount from the bucket's newest catalog snapshot (objectstore.url and store.id name the store)."""
 
@@ -258,7 +259,10 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     engine = None
     if config["tiering.enabled"] or read_only:
         try:
-            engine = Engine(paths.hot, paths.state, config, read_only=read_only)
+            from tierfs.tier.takeover import TakeoverSpec  # noqa: PLC0415
+
+            spec = TakeoverSpec(takeover_force, str(paths.mountpoint)) if takeover else None
+            engine = Engine(paths.hot, paths.state, config, read_only=read_only, takeover=spec, follow=follow)
             if not read_only:
                 engine.take_lease(paths.mountpoint)  # one writable mount per store id
         except (ValueError, LeaseHeld) as e:  # ConfigError, bad store settings or snapshot, a lease held elsewhere
@@ -266,6 +270,8 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         engine.mountpoint = paths.mountpoint  # the sealer flushes quiet segments through the mount
         engine.reconcile()
     ops = TierOperations(str(paths.hot), config, stats, engine)
+    if engine is not None and engine.appendlog is not None:  # continuous tiering flushes only open files
+        engine.appendlog.open_inodes = ops.open_inodes
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
 
     install_views(ops, paths, config)

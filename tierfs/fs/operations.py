@@ -274,6 +274,8 @@ class TierOperations(pyfuse3.Operations):
                 if t is not None:
                     await self.engine.before_truncate(t, inode, attr.st_size)
                 self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
+            if self.engine is not None and self.engine.appendlog is not None:
+                self.engine.appendlog.note_truncate(inode, attr.st_size)
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -318,6 +320,10 @@ class TierOperations(pyfuse3.Operations):
         out.f_favail = sv.f_favail
         out.f_namemax = sv.f_namemax
         return out
+
+    def open_inodes(self) -> set[int]:
+        """Inodes open through the mount now (their pages may be dirty in the kernel)."""
+        return set(self._fh_inode.values())
 
     def remote_only_bytes(self) -> int:
         """Bytes of tiered segments that are not on the local disk (the store's size beyond the hot dir)."""
@@ -516,6 +522,8 @@ class TierOperations(pyfuse3.Operations):
             if t is not None and not await self.engine.before_write(t, ino, off, buf):
                 return len(buf)  # identical rewrite of tiered bytes: nothing changes
             self.engine.note_write(ino)
+        if self.engine is not None and self.engine.appendlog is not None:  # continuous tiering: what is new
+            self.engine.appendlog.note_write(self._fh_inode[fh], rel, off, len(buf))
         if not self.enable_writeback_cache:
             n = os.pwrite(fh, buf, off)
         else:

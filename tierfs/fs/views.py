@@ -121,6 +121,11 @@ def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with
         "read_only": ops.read_only,
         "snapshot": snapshot_status(ops.engine),
         "lease": ops.engine.lease.status() if ops.engine is not None and ops.engine.lease is not None else {},
+        "rpo": ops.engine.appendlog.status() if ops.engine is not None and getattr(ops.engine, "appendlog", None)
+        is not None else {},
+        "takeover": dict(getattr(ops.engine, "takeover_info", {}) or {}) if ops.engine is not None else {},
+        "follow": ops.engine.follower.status() if ops.engine is not None and getattr(ops.engine, "follower", None)
+        is not None else {},
         "workers": {"restarts": dict(ops.engine.workers.restarts), "last_error": dict(ops.engine.workers.last_error)}
         if ops.engine is not None else {},
     }
@@ -149,6 +154,13 @@ def render_snapshot(d: dict) -> list[str]:
                    + (f" by {s['writer']}" if s.get("writer") else ""))
     if s.get("last_error"):
         out.append(f"  snapshot error: {s['last_error']}")
+    rpo = d.get("rpo") or {}
+    if rpo:
+        lag = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(rpo.get("lag_s", {}).items())) or "all in the bucket"
+        out.append(f"  continuous tiering: every {rpo['rpo_seconds']:g} s; achieved RPO (oldest write not in the "
+                   f"bucket): {lag}; {rpo['rounds']} rounds, {rpo['append_puts']} append objects")
+        if rpo.get("last_error"):
+            out.append(f"  continuous tiering error: {rpo['last_error']}")
     if lease:
         state = "held" if lease.get("held") else "NOT HELD (uploads stopped)"
         out.append(f"  writer lease: {state}, epoch {lease.get('epoch')}"

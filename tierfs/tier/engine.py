@@ -16,6 +16,8 @@ The parts, each in its own module, all working on this state:
   evictor.Evictor        keeps local copies under the cache budget; persists residency after fdatasync
   janitor.run_janitor    deletes objects after their grace period
   compaction.Compactor, snapshot.Snapshotter, lease.WriterLease: jobs, catalog snapshots, the writer lease
+  appendlog.AppendLog    continuous tiering of active files every tiering.rpo_seconds
+  takeover / follow.Follower  a writable takeover of a lost writer's store; a read-only mount that follows it
 Every background loop runs under `supervise`: a failure is logged, counted and restarted, never fatal.
 """
 
@@ -46,12 +48,16 @@ from tierfs.tier.lease import WriterLease
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.uploader import Uploader
+from tierfs.tier.appendlog import AppendLog
+from tierfs.tier.follow import Follower
+from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
 
 log = logging.getLogger("tierfs.tier")
 
 
 class Engine:
-    def __init__(self, hot_dir: Path, state_dir: Path, config: Config, read_only: bool = False):
+    def __init__(self, hot_dir: Path, state_dir: Path, config: Config, read_only: bool = False,
+                 takeover: TakeoverSpec | None = None, follow: bool = False):
         self.hot = hot_dir
         self.state_dir = state_dir
         self.config = config
@@ -70,6 +76,10 @@ class Engine:
         self.read_only = read_only
         self.snapshot_info = snapshot.prepare_readonly(self.store, self.store_id, hot_dir, state_dir) \
             if read_only else {}
+        # --takeover (tierfs.tier.takeover): the lease, then the hot dir and catalog from the newest point
+        self.takeover_info = prepare_takeover(self.store, self.store_id, hot_dir, state_dir, takeover,
+                                              float(config["lease.ttl_seconds"]),
+                                              float(config["delete.grace_seconds"])) if takeover else {}
         self.catalog = Catalog(state_dir / "catalog.db")
         self.lease: WriterLease | None = None  # writable mounts: set by take_lease() before serving
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
@@ -100,6 +110,11 @@ class Engine:
         self.compactor = Compactor(self)
         # no snapshots into the embedded default store: it lives in the hot dir, where no reader can reach it
         self.snapshotter = snapshot.Snapshotter(self) if not read_only and config["objectstore.url"] else None
+        # continuous tiering of active files (tierfs.tier.appendlog): needs the snapshots that name them
+        self.appendlog = AppendLog(self) if self.snapshotter is not None and self.enabled \
+            and float(config["tiering.rpo_seconds"]) > 0 else None
+        # --read-only --follow (tierfs.tier.follow): the newest consistent point, every rpo_seconds
+        self.follower = Follower(self) if read_only and follow else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -232,6 +247,8 @@ class Engine:
         self._nursery = nursery
         if self.read_only:
             nursery.start_soon(self.supervise, "evictor", self.evictor.run)  # fetch, read-ahead and evict
+            if self.follower is not None:
+                nursery.start_soon(self.supervise, "follow", self.follower.run)
             return
         if not self.enabled:
             return
@@ -239,6 +256,8 @@ class Engine:
             nursery.start_soon(self.supervise, "lease", self.lease.run, self.limiter)
         if self.snapshotter is not None:
             nursery.start_soon(self.supervise, "snapshotter", self.snapshotter.run)
+        if self.appendlog is not None:
+            nursery.start_soon(self.supervise, "appendlog", self.appendlog.run)
         nursery.start_soon(self.supervise, "sealer", self.sealer.run)
         self.uploader.start(nursery)
         nursery.start_soon(self.supervise, "evictor", self.evictor.run)
@@ -272,7 +291,9 @@ class Engine:
 
     async def shutdown(self) -> None:
         await self.evictor.persist_residency()
-        if self.snapshotter is not None and self.enabled:
+        if self.appendlog is not None:
+            await self.appendlog.final()  # append objects, then the snapshot naming them
+        elif self.snapshotter is not None and self.enabled:
             await self.snapshotter.final()  # read-only mounts anywhere see the store as of this unmount
         if self.lease is not None:
             with trio.move_on_after(10):  # a store that does not answer must not hold the unmount up

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.tier")
 
 
+def _fenced_delete(eng: Engine, keys: list[str]) -> None:
+    """Blocking: delete only while the store itself says the lease epoch is ours (a writer taken over
+    meanwhile must not delete what the new one serves)."""
+    if eng.lease is not None:
+        eng.lease.verify()
+    eng.store.delete_many(keys)
+
+
 async def run_janitor(eng: Engine) -> None:
     while True:
         await trio.sleep(2.0)
@@ -35,7 +43,7 @@ async def run_janitor(eng: Engine) -> None:
             if not keys:
                 continue
             eng.fence(keys[0])
-            await eng.io(eng.store.delete_many, keys)
+            await eng.io(_fenced_delete, eng, keys)
             await eng.db(eng.catalog.deleted, keys)
             log.info("deleted %d objects", len(keys))
         except (ObjectStoreError, sqlite3.Error) as err:

@@ -94,12 +94,14 @@ class LeaseRecord:
 class LeaseHeld(Exception):
     """Another writable mount holds the lease of this store id."""
 
-    def __init__(self, store_url: str, store_id: str, rec: LeaseRecord, now: float):
+    def __init__(self, store_url: str, store_id: str, rec: LeaseRecord, now: float, force: str | None = None):
         self.record = rec
+        forced = f"--force {force!r} does not name the holder in force, {rec.holder!r}. " if force else ""
         super().__init__(
-            f"store id {store_id!r} at {store_url} is held by another writable tierfs mount ({rec.describe(now)}). "
-            f"Unmount it there first; if that writer is gone for good, wait until the lease expires "
-            f"(lease.ttl_seconds), or mount read-only with --read-only --from")
+            f"{forced}store id {store_id!r} at {store_url} is held by another writable tierfs mount "
+            f"({rec.describe(now)}). Unmount it there first; if that writer is gone for good, wait until the lease "
+            f"expires (lease.ttl_seconds), take it over now with --takeover --force {rec.holder!r}, or mount "
+            f"read-only with --read-only --from")
 
 
 def holder_id(host: str, hot_dir: Path | str) -> str:
@@ -123,6 +125,9 @@ class WriterLease:
         self.expires_at = 0.0
         self.last_error = ""
         self.other: LeaseRecord | None = None  # the other holder that refused us, if any
+        # set once another mount took the lease over from us: our view of the store is stale from then on, so
+        # this daemon never takes the lease again (not even once the other one's lapses)
+        self.fenced = False
 
     # ------------------------------------------------------------------ state
 
@@ -156,14 +161,31 @@ class WriterLease:
 
     # ------------------------------------------------------------------ acquire, renew, release
 
-    def acquire(self) -> None:
-        """Take the lease or raise LeaseHeld. ObjectStoreError when the store cannot be reached. Blocking."""
+    def acquire(self, force: str | None = None) -> None:
+        """Take the lease or raise LeaseHeld. `force` (a takeover's --force) names the live holder to override:
+        it must be the holder in force, so a takeover never overrides a writer its operator did not name.
+        ObjectStoreError when the store cannot be reached. Blocking."""
+        if self.fenced:  # never again in this daemon's life
+            if self.other is not None:
+                raise LeaseHeld(self.store.url, self.store_id, self.other, time.time())
+            raise ObjectStoreError(lease_prefix(self.store_id), f"refused: {self.last_error}; remount to write again")
         for _ in range(5):
             cur = self.current()
             now = time.time()
-            if cur is not None and cur.live(now) and cur.holder != self.id:
+            if self.epoch and cur is not None and cur.epoch > self.epoch and cur.holder != self.id:
+                self.fenced = True  # someone else wrote the store after us: what this daemon knows is stale
                 self.other = cur
+                self.last_error = f"fenced: the writer lease was taken over by {cur.holder} (epoch {cur.epoch})"
+                log.error("FENCED: writer lease epoch %d of store id %s was taken over by %s (epoch %d); this "
+                          "mount's object puts, deletes and snapshots are refused", self.epoch, self.store_id,
+                          cur.holder, cur.epoch)
                 raise LeaseHeld(self.store.url, self.store_id, cur, now)
+            if cur is not None and cur.live(now) and cur.holder != self.id:
+                if force is None or force != cur.holder:
+                    self.other = cur
+                    raise LeaseHeld(self.store.url, self.store_id, cur, now, force)
+                log.warning("writer lease epoch %d of %s (pid %d, expires in %.1f s) overridden by --force",
+                            cur.epoch, cur.holder, cur.pid, cur.expires_at - now)
             epoch = (cur.epoch if cur is not None else 0) + 1
             started = time.monotonic()
             rec = self._record(epoch, now, now, now + self.ttl)
@@ -209,6 +231,12 @@ class WriterLease:
             self._valid_until = 0.0
             if cur is not None:
                 self.other = cur
+                if cur.epoch > self.epoch:
+                    self.fenced = True
+                    self.last_error = f"fenced: the writer lease is held by epoch {cur.epoch} by {cur.holder}"
+                    log.error("FENCED: writer lease epoch %d of store id %s was taken over by %s (epoch %d); this "
+                              "mount's object puts, deletes and snapshots are refused", self.epoch, self.store_id,
+                              cur.holder, cur.epoch)
                 raise LeaseHeld(self.store.url, self.store_id, cur, time.time())
             raise ObjectStoreError(lease_key(self.store_id, self.epoch), "our lease object disappeared")
         started = time.monotonic()
@@ -216,6 +244,25 @@ class WriterLease:
         rec = self._record(self.epoch, now, cur.acquired_at, now + self.ttl)
         self.store.put(lease_key(self.store_id, self.epoch), rec.encode())
         self._took(rec, started)
+
+    def verify(self) -> None:
+        """Fencing on the store's word, not only our clock: before a batch of object writes or deletes, check
+        that the epoch in force is still ours. A writer that was paused or cut off while another mount took the
+        lease over (--force, or after the ttl) stops here, says so, and raises. Blocking."""
+        if not self.held():
+            raise ObjectStoreError(lease_key(self.store_id, self.epoch),
+                                   f"refused: the writer lease (epoch {self.epoch}) is not held (fenced)")
+        cur = self.current()
+        if cur is not None and cur.epoch == self.epoch and cur.holder == self.id:
+            return
+        self._valid_until = 0.0
+        self.other = cur
+        self.fenced = True
+        who = f"epoch {cur.epoch} by {cur.holder} (pid {cur.pid})" if cur is not None else "nobody (deleted)"
+        self.last_error = f"fenced: the writer lease is held by {who}"
+        log.error("FENCED: writer lease epoch %d of store id %s was taken over (now %s); this mount's object "
+                  "puts, deletes and snapshots are refused", self.epoch, self.store_id, who)
+        raise ObjectStoreError(lease_key(self.store_id, self.epoch), f"refused: {self.last_error}")
 
     def release(self) -> None:
         """At a clean unmount: mark our epoch released so the next writer need not wait for the ttl. Blocking."""

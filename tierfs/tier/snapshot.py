@@ -56,6 +56,7 @@ from tierfs import failpoints
 from tierfs.objectstore import ObjectStore, crc32c_file
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError, validate_key
 from tierfs.store.paths import classify
+from tierfs.tier import appendlog
 from tierfs.tier.catalog import (
     COLUMNS,
     Catalog,
@@ -70,7 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierfs.snapshot")
 
-FORMAT = 1
+FORMAT = 2  # 2: active files may be tails of append objects (table snapshot_tails, tierfs.tier.appendlog)
+READABLE_FORMATS = (1, 2)
 KEEP = 3
 FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 MARKER = "readonly.json"  # in the state dir of a read-only cache
@@ -141,8 +143,8 @@ class Pointer:
     def decode(cls, key: str, data: bytes) -> Pointer:
         try:
             d = json.loads(data)
-            if int(d.get("format", 0)) != FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, this tierfs reads format {FORMAT}")
+            if int(d.get("format", 0)) not in READABLE_FORMATS:
+                raise ValueError(f"format {d.get('format')!r}, this tierfs reads formats {READABLE_FORMATS}")
             p = cls(seq=int(d["seq"]), key=str(d["key"]), time=float(d["time"]), crc32c=int(d["crc32c"], 16),
                     size=int(d["size"]), store_id=str(d["store_id"]), chunk_bytes=int(d["chunk_bytes"]),
                     block_bytes=int(d["block_bytes"]), writer=str(d.get("writer", "")))
@@ -218,11 +220,13 @@ def _copy(e: Entry) -> Entry:
 
 
 def _rows_and_digest(tiered: dict[str, Entry], stats: dict[str, os.stat_result], blobs: dict[str, tuple],
-                     tree: list[tuple], blob_pre: str) -> tuple[dict[str, tuple], bytes, set[str]]:
+                     tree: list[tuple], blob_pre: str, tails: dict[str, appendlog.TailRow] | None = None
+                     ) -> tuple[dict[str, tuple], bytes, set[str]]:
     """Every snapshot_files row, a digest of what a reader would see (an unchanged store is not uploaded again),
     and the sha256 of every blob the rows use."""
     rows = {**blobs, **{rel: _file_row(e, stats[rel]) for rel, e in tiered.items()}}
-    digest = hashlib.sha256(repr((sorted(rows.items()), sorted(tree))).encode()).digest()
+    tail_rows = sorted(t.encode() for t in (tails or {}).values())
+    digest = hashlib.sha256(repr((sorted(rows.items()), sorted(tree), tail_rows)).encode()).digest()
     used = {k[len(blob_pre):] for r in blobs.values() for k in json.loads(r[_OBJECTS]) if k.startswith(blob_pre)}
     return rows, digest, used
 
@@ -250,9 +254,12 @@ class Snapshotter:
         self.last_error = ""
         self.taken = 0
         self.skipped = 0
+        self.puts = 0  # cumulative PUTs (blobs, .db, pointer) and their bytes, for the cost of continuous tiering
+        self.put_bytes = 0
 
     def status(self) -> dict:
         return {**self.last, "taken": self.taken, "skipped_unchanged": self.skipped, "last_error": self.last_error,
+                "puts_total": self.puts, "put_bytes_total": self.put_bytes,
                 "interval_s": float(self.eng.config["snapshot.interval_seconds"])}
 
     # ------------------------------------------------------------------ loops
@@ -304,8 +311,12 @@ class Snapshotter:
             tiered: dict[str, Entry] = {}
             blobs: dict[str, tuple] = {}
             todo: dict[str, int] = {}
+            alog = getattr(self.eng, "appendlog", None)
+            tails = alog.snapshot_rows(stats) if alog is not None else {}  # active files as append objects
             for rel in stats:
                 e = self.eng.entries.get(rel)
+                if rel in tails:
+                    continue
                 if e is not None and e.state is State.TIERED:
                     tiered[rel] = _copy(e)
                 else:
@@ -331,24 +342,28 @@ class Snapshotter:
             for rel in [r for r in self._files if r not in stats]:
                 del self._files[rel]
             rows, digest, used = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree,
-                                                               blob_prefix(self.sid))
+                                                               blob_prefix(self.sid), tails)
             if digest == self._last_digest and not force:
                 tmp.unlink(missing_ok=True)
                 self.skipped += 1
                 log.debug("%s catalog snapshot skipped: nothing changed since seq %s", reason, self._seq)
                 return None
             seq = await trio.to_thread.run_sync(self._next_seq)
-            crc, size = await trio.to_thread.run_sync(self._finish_db, tmp, seq, rows, tree, started, reason)
+            crc, size = await trio.to_thread.run_sync(self._finish_db, tmp, seq, rows, tree, started, reason, tails)
             ptr = Pointer(seq=seq, key=snapshot_key(self.sid, seq), time=started, crc32c=crc, size=size,
                           store_id=self.sid, chunk_bytes=self.eng.chunk, block_bytes=self.eng.block,
                           writer=f"{os.uname().nodename}:{self.eng.hot}")
             await trio.to_thread.run_sync(self._publish, tmp, ptr, limiter=self.eng.limiter)
             self._seq = seq
             self._last_digest = digest
+            self.puts += counters[0] + 2
+            self.put_bytes += counters[1] + size + len(ptr.encode())
             self._blob_sets[seq] = used
-            self._key_sets[seq] = {k for r in rows.values() for k in json.loads(r[_OBJECTS])}
+            self._key_sets[seq] = {k for r in rows.values() for k in json.loads(r[_OBJECTS])} | \
+                {o.key for t in tails.values() for o in t.objects}
             self.taken += 1
-            self.last = {"seq": seq, "time": started, "key": ptr.key, "reason": reason, "files": len(rows),
+            self.last = {"seq": seq, "time": started, "key": ptr.key, "reason": reason, "files": len(rows) + len(tails),
+                         "tails": len(tails),
                          "bytes": size, "blobs_uploaded": counters[0], "blob_bytes_uploaded": counters[1],
                          "seconds": round(time.monotonic() - t0, 3)}
             log.info("catalog snapshot %d (%s): %d files, %d new blobs (%d bytes), %.2f s", seq, reason, len(rows),
@@ -494,17 +509,19 @@ class Snapshotter:
         return self._seq + 1
 
     def _finish_db(self, tmp: Path, seq: int, rows: dict[str, tuple], tree: list[tuple], started: float,
-                   reason: str) -> tuple[int, int]:
+                   reason: str, tails: dict[str, appendlog.TailRow] | None = None) -> tuple[int, int]:
         """Add the reader's tables to the catalog copy; return (crc32c, size) of the finished file."""
         db = sqlite3.connect(str(tmp), isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
-            db.executescript(SCHEMA)
+            db.executescript(SCHEMA + appendlog.TAILS_SCHEMA)
             cols = COLUMNS + _EXTRA_COLS
             db.execute("BEGIN")
             db.executemany(f"INSERT INTO snapshot_files ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
                            list(rows.values()))
             db.executemany("INSERT INTO snapshot_tree VALUES (?, ?, ?, ?, ?, ?, ?)", tree)
+            db.executemany("INSERT INTO snapshot_tails VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [t.encode() for t in (tails or {}).values()])
             info = {"format": FORMAT, "seq": seq, "time": started, "reason": reason, "store_id": self.sid,
                     "host": os.uname().nodename, "hot_dir": str(self.eng.hot)}
             db.executemany("INSERT INTO snapshot_info VALUES (?, ?)", [(k, json.dumps(v)) for k, v in info.items()])
@@ -513,9 +530,14 @@ class Snapshotter:
             db.close()
         return crc32c_file(tmp), tmp.stat().st_size
 
+    def _verify_lease(self) -> None:
+        if self.eng.lease is not None:
+            self.eng.lease.verify()  # a writer taken over meanwhile must never move the pointer back
+
     def _publish(self, tmp: Path, ptr: Pointer) -> None:
         self.store.put_file(ptr.key, tmp, crc32c=ptr.crc32c)
         failpoints.hit("snapshot.upload")
+        self._verify_lease()
         self.store.put(pointer_key(self.sid), ptr.encode())
         tmp.unlink(missing_ok=True)
 
@@ -524,6 +546,7 @@ class Snapshotter:
         seqs = sorted(int(m.group(1)) for i in self.store.list(meta_prefix(self.sid) + "catalog-")
                       if (m := _SEQ_RE.search(i.key)))
         keep = seqs[-KEEP:]
+        self._verify_lease()
         self.store.delete_many([snapshot_key(self.sid, s) for s in seqs[:-KEEP]])
         for s in list(self._blob_sets):
             if s not in keep:
@@ -573,7 +596,8 @@ class Snapshotter:
         try:
             db = sqlite3.connect(str(tmp))
             try:
-                return {k for (objs,) in db.execute("SELECT objects FROM snapshot_files") for k in json.loads(objs)}
+                keys = {k for (objs,) in db.execute("SELECT objects FROM snapshot_files") for k in json.loads(objs)}
+                return keys | {o.key for t in appendlog.load_tails(db, self.sid) for o in t.objects}
             finally:
                 db.close()
         finally:
@@ -662,6 +686,29 @@ def _load(db_path: Path, store_id: str, reserved: str) -> tuple[list[tuple[Entry
             raise SnapshotError(f"snapshot {db_path.name}: tree row {path!r} is invalid: {err}") from None
         seen.add(path)
     return files, tree
+
+
+def load_tails(db_path: Path, store_id: str, reserved: str, seen: set[str]) -> list[appendlog.TailRow]:
+    """The active files of a snapshot (append objects), validated like every other row."""
+    db = sqlite3.connect(f"file:{urllib.parse.quote(str(db_path))}?mode=ro", uri=True)
+    try:
+        tails = appendlog.load_tails(db, store_id)
+        for t in tails:
+            _check_rel(t.path, reserved)
+            if t.path in seen:
+                raise ValueError(f"path {t.path!r} is both a tail and another row")
+            seen.add(t.path)
+    except (ValueError, sqlite3.Error) as e:
+        raise SnapshotError(f"snapshot {db_path.name}: {e}") from None
+    finally:
+        db.close()
+    return tails
+
+
+def tail_stub(t: appendlog.TailRow) -> tuple[Entry, int, int, int]:
+    """A tail as _build_tree takes files: a sparse file of its size, mode and owner."""
+    e = Entry(path=t.path, kind=classify(t.path).value, size=t.size, mtime_ns=t.mtime_ns, state=State.HOT)
+    return e, t.mode, t.uid, t.gid
 
 
 def _wipe(hot: Path, state: Path) -> None:
@@ -758,7 +805,13 @@ def prepare_readonly(store: ObjectStore, store_id: str, hot: Path, state: Path) 
     snap = state / "snapshot.db"
     snap.write_bytes(data)
     files, tree = _load(snap, store_id, state.name)
-    _build_tree(hot, files, tree)
+    tails = load_tails(snap, store_id, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
+    _build_tree(hot, files + [tail_stub(t) for t in tails], tree)
+    try:  # active files are local in a read-only cache: the engine serves them as plain hot files
+        for t in tails:
+            appendlog.materialise(store, hot, t)
+    except (ObjectStoreError, ValueError) as e:
+        raise SnapshotError(f"snapshot {ptr.seq}: {e}") from None
     cat = Catalog(state / "catalog.db")
     try:
         now = time.time()
@@ -766,8 +819,9 @@ def prepare_readonly(store: ObjectStore, store_id: str, hot: Path, state: Path) 
                                           state_since=now) for e, *_ in files], [], 0.0)
     finally:
         cat.close()
-    body = {"store": store.url, "store_id": store_id, "seq": ptr.seq, "time": ptr.time, "files": len(files)}
+    body = {"store": store.url, "store_id": store_id, "seq": ptr.seq, "time": ptr.time,
+            "files": len(files) + len(tails)}
     marker.write_text(json.dumps(body) + "\n")
     log.info("read-only cache %s built from snapshot %d of %s/%s (%d files, taken %s by %s)", hot, ptr.seq, store.url,
              store_id, len(files), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ptr.time)), ptr.writer)
-    return {**info, "files": len(files), "reused": False}
+    return {**info, "files": len(files) + len(tails), "reused": False}

@@ -1,0 +1,305 @@
+"""Continuous tiering of active files (tiering.rpo_seconds) and the writable takeover of a lost writer's store.
+
+A writer mounts with rpo_seconds=2, the example producer writes a store through it without ever waiting for a
+segment to seal; the consumer counts what is written at a moment T; once a round that started after T has
+finished, the daemon is killed with SIGKILL and its whole hot dir removed. `tierfs mount --takeover` on a new,
+empty hot dir (refused while the lease lives, then with --force naming the holder) brings the store up, and the
+consumer reads at least every message written before T, each one byte-identical (it checks every body, CRC and
+queue offset). The old writer, stopped while the takeover happens and then resumed, is fenced: it says so and
+never moves the snapshot pointer again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mountutil import Mount, wait_for
+from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
+from test_tiering import TIER_OPTS
+
+from tierfs.objectstore import open_store
+from tierfs.objectstore.base import ObjectStoreError
+from tierfs.tier import snapshot as snap
+
+RPO = 2.0
+
+
+class TakeoverMount(Mount):
+    """`tierfs mount --takeover --from URL [--force HOLDER] HOT MNT`."""
+
+    def __init__(self, url: str, hot: Path, mnt: Path, options=(), force: str | None = None):
+        super().__init__(hot, mnt, options=options)
+        self.url, self.force = url, force
+
+    def mount_args(self) -> list[str]:
+        cmd = ["mount", "--takeover", "--from", self.url, str(self.hot), str(self.mnt)]
+        if self.force:
+            cmd += ["--force", self.force]
+        for o in self.options:
+            cmd += ["-o", o]
+        return cmd
+
+
+class FollowMount(Mount):
+    """`tierfs mount --read-only --follow --from URL --cache-dir CACHE MNT`."""
+
+    def __init__(self, url: str, cache: Path, mnt: Path, options=()):
+        super().__init__(Path(cache) / "tree", mnt, options=options)
+        self.url, self.cache = url, Path(cache)
+
+    def mount_args(self) -> list[str]:
+        cmd = ["mount", "--read-only", "--follow", "--from", self.url, "--cache-dir", str(self.cache), str(self.mnt)]
+        for o in self.options:
+            cmd += ["-o", o]
+        return cmd
+
+
+def status(m: Mount) -> dict:
+    return json.loads((m.mnt / ".tierfs" / "status.json").read_text())
+
+
+def start_producer(store: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(PRODUCER), str(store), *SMALL, "--messages", "0", "--topics", "2",
+                             "--queues", "2", "--rate", "1500", "--body-min", "100", "--body-max", "900"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def written_now(m: Mount) -> tuple[int, float]:
+    """(messages in the store through the mount now, the time): what must survive once a later round ends."""
+    t = time.time()
+    return consume(m.mnt, "--redispatch", "--check-keys", "0")["messages"], t
+
+
+def wait_round_after(m: Mount, t: float, timeout: float = 60) -> None:
+    """Wait (by condition) until a continuous-tiering round that started after t has published its point."""
+    def done() -> bool:
+        last = status(m)["rpo"].get("last_round") or {}
+        return last.get("time", 0) > t
+    wait_for(done, timeout=timeout, interval=0.2, what=f"a continuous-tiering round after {t}")
+
+
+def takeover(tmp_path: Path, url: str, opts: list[str], name: str) -> tuple[TakeoverMount, str]:
+    """Takeover refused while the old lease lives (the refusal names the holder), then forced. Returns the mount
+    and the holder it overrode."""
+    hot, mnt = tmp_path / f"{name}-hot", tmp_path / f"{name}-mnt"
+    hot.mkdir()
+    mnt.mkdir()
+    m = TakeoverMount(url, hot, mnt, options=opts)
+    res = m._cli_mount()
+    assert res.returncode != 0, res.stdout
+    found = re.search(r"--force '([^']+)'", res.stderr)
+    assert found and "held by another writable tierfs mount" in res.stderr, res.stderr
+    shutil.rmtree(hot / ".tierfs", ignore_errors=True)  # the refused daemon's log: the hot dir must be empty
+    m.force = found.group(1)
+    m.mount()
+    return m, found.group(1)
+
+
+@pytest.fixture
+def cleanup_list():
+    made: list = []
+    yield made
+    for x in reversed(made):
+        if isinstance(x, subprocess.Popen):
+            if x.poll() is None:
+                x.kill()
+            x.wait(timeout=30)
+        else:
+            x.cleanup()
+
+
+def test_takeover_after_kill9_and_lost_hot_dir(tmp_path, mount_store, cleanup_list):
+    """kill -9 of the daemon and removal of its whole hot dir while the producer runs; takeover on a new hot
+    dir; every message written before a finished round is there, byte-identical; a broker-style abnormal
+    recovery (abort present) works and the store takes new writes."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo1,tiering.rpo_seconds={RPO},"
+                       f"lease.ttl_seconds=60"]
+    a = mount_store(options=opts)
+    prod = start_producer(a.mnt)
+    cleanup_list.append(prod)
+    wait_for(lambda: len(list((a.mnt / "commitlog").glob("0*"))) >= 4, timeout=60, what="4 CommitLog segments")
+    n1, t1 = written_now(a)
+    assert n1 > 1000
+    wait_round_after(a, t1)
+    st = status(a)["rpo"]
+    assert st["append_puts"] > 0 and st["rounds"] >= 1, st
+    assert st["lag_max_s"] < 60 and set(st["lag_s"]) <= {"commitlog", "consumequeue", "index", "mutable"}, st
+    text = a.cli("status", str(a.mnt)).stdout
+    assert "achieved RPO" in text, text
+    metrics = (a.ctl / "metrics").read_text()
+    assert re.search(r'^tierfs_rpo_lag_seconds\{kind="commitlog"\} [0-9.e+-]+$', metrics, re.M), metrics[-3000:]
+    assert re.search(r"^tierfs_append_objects_total [1-9]", metrics, re.M)
+    a.kill(signal.SIGKILL)
+    prod.kill()
+    prod.wait(timeout=30)
+    shutil.rmtree(a.hot)
+
+    b, holder = takeover(tmp_path, f"file://{objects}/rpo1", opts, "b")
+    cleanup_list.append(b)
+    assert holder.endswith(str(a.hot))
+    # a point of the hot dir taken while the producer ran: ConsumeQueues may lag the CommitLog by what was written
+    # after the round's flush (the broker re-dispatches those at abnormal recovery); everything written before
+    # t1 was flushed before the round read it, so it is there in full: records and their CQ units
+    got = consume(b.mnt, "--redispatch", "--check-keys", "200")
+    assert got["ok"] and got["abort_present"] and got["messages"] >= n1 and got["cq_units"] >= n1, (got, n1)
+    info = status(b)["takeover"]
+    assert info["done"] and info["overrode"] == holder and info["files_tiered"] > 0, info
+    assert "took over store id rpo1" in b.log_text()
+    # the takeover is a writable store like any other: the producer resumes on it (a broker's own recovery
+    # would truncate the torn tail first; the example producer starts a new store dir instead)
+    more = subprocess.run([sys.executable, str(PRODUCER), str(b.mnt / "again"), *SMALL, "--messages", "500"],
+                          capture_output=True, text=True, timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert consume(b.mnt / "again", "--expect-messages", "500")["messages"] == 500
+
+
+def test_old_writer_fenced_after_takeover(tmp_path, mount_store, cleanup_list):
+    """The old writer, paused while a takeover overrides its lease and then resumed, is fenced: its pointer
+    writes, uploads and deletes are refused by the lease epoch in the store, and it logs so."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo2,tiering.rpo_seconds={RPO},"
+                       f"lease.ttl_seconds=60"]
+    a = mount_store(options=opts)
+    subprocess.run([sys.executable, str(PRODUCER), str(a.mnt), *SMALL, "--messages", "3000"], check=True,
+                   capture_output=True, timeout=120)
+    n1, t1 = written_now(a)
+    wait_round_after(a, t1)
+    a_pid = a.pid
+    assert a_pid is not None
+    os.kill(a_pid, signal.SIGSTOP)
+    try:
+        b, holder = takeover(tmp_path, f"file://{objects}/rpo2", opts, "b")
+        cleanup_list.append(b)
+        wait_for(lambda: status(b)["snapshot"].get("seq"), timeout=30, what="a snapshot by the new writer")
+    finally:
+        os.kill(a_pid, signal.SIGCONT)
+    wait_for(lambda: "FENCED" in a.log_text(), timeout=60, what="the old writer to notice it is fenced")
+    store = open_store(f"file://{objects}")
+    b_writer = snap.read_pointer(store, "rpo2").writer
+    assert b_writer.endswith(str(b.hot)), b_writer
+    assert a.status()["lease"]["held"] is False
+    assert snap.read_pointer(store, "rpo2").writer == b_writer
+    assert consume(b.mnt, "--redispatch", "--check-keys", "100")["messages"] >= n1
+    assert "refused" in a.log_text() or a.status()["rpo"]["last_error"]
+
+
+def test_following_reader_sees_new_messages_within_the_rpo(tmp_path, mount_store, cleanup_list):
+    """A `--read-only --follow` mount, made before the producer starts, sees every message the writer has within
+    a bounded time after it was written (the writer's round plus the follower's refresh), and keeps serving the
+    sealed, tiered and evicted segments; it refreshes incrementally (only new append objects are applied)."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo4,tiering.rpo_seconds={RPO}"]
+    a = mount_store(options=opts)
+    (a.mnt / "config").mkdir()
+    (a.mnt / "config" / "topics.json").write_text("{}")
+    wait_round_after(a, time.time())
+    r = FollowMount(f"file://{objects}/rpo4", tmp_path / "cache", tmp_path / "romnt",
+                    options=[f"tiering.rpo_seconds={RPO}"])
+    (tmp_path / "romnt").mkdir()
+    cleanup_list.append(r)
+    r.mount()
+    assert (r.mnt / "config" / "topics.json").read_text() == "{}"
+    subprocess.run([sys.executable, str(PRODUCER), str(a.mnt), *SMALL, "--messages", "4000", "--topics", "2",
+                    "--rate", "800"], check=True, capture_output=True, timeout=120)  # segments tailed, then sealed
+    done = time.monotonic()
+    wait_for(lambda: (r.mnt / "checkpoint").exists() and consume(r.mnt, "--recover", "--check-keys", "0")["messages"]
+             == 4000, timeout=60, interval=0.5, what="the follower to see all 4000 messages")
+    seen_after = time.monotonic() - done
+    print(f"follower saw all messages {seen_after:.1f} s after the producer finished (rpo {RPO} s)")
+    assert seen_after < 4 * RPO + 20
+    got = consume(r.mnt, "--expect-messages", "4000", "--check-keys", "200")
+    assert got["ok"] and got["messages"] == 4000
+    st = status(r)
+    assert st["follow"]["refreshes"] >= 1 and st["read_only"], st["follow"]
+    # the seal replaces append objects: once segments are tiered, theirs go (grace 0 here) when no kept
+    # snapshot names them any more
+    wait_for(lambda: status(a)["rpo"]["append_objects_deleted"] > 0, timeout=60, interval=0.5,
+             what="append objects of tiered segments deleted")
+
+
+# ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)
+
+
+def test_s3_store_failing_midstream_then_takeover(tmp_path, mount_store, cleanup_list, rgw, fault_proxy):
+    """The object store fails and recovers while the producer runs (503s, then resets after the server acted on a
+    PUT: an append object that landed while its writer thinks it failed): rounds fail without blocking the next,
+    and a takeover sees no gap and no duplicate (the consumer checks consecutive message numbers, queue offsets
+    and physical offsets of every record)."""
+    bucket = "tier-rpo"
+    rgw.make_bucket(bucket)
+    creds = (f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+             f"objectstore.addressing=path,objectstore.max_attempts=1,objectstore.read_timeout_seconds=3")
+    opts = [TIER_OPTS, f"objectstore.url=s3://{bucket}/stores,store.id=rpo3,tiering.rpo_seconds={RPO},"
+                       f"lease.ttl_seconds=60,upload.retry_max_seconds=2,compaction.enabled=false,{creds},"
+                       f"objectstore.endpoint_url={fault_proxy.endpoint_url}"]
+    a = mount_store(options=opts)
+    prod = start_producer(a.mnt)
+    cleanup_list.append(prod)
+    wait_for(lambda: status(a)["rpo"]["rounds"] >= 2, timeout=60, what="two rounds")
+    for mode, kw in (("error", {"status": 503, "code": "SlowDown"}), ("reset", {"phase": "response"})):
+        before = status(a)["rpo"]["failed_rounds"]
+        fault_proxy.set(mode, methods=["PUT"], probability=0.5, count=1000, **kw)
+        wait_for(lambda: status(a)["rpo"]["failed_rounds"] >= before + 2, timeout=90, what=f"rounds failing ({mode})")
+        fault_proxy.set("pass")
+    n1, t1 = written_now(a)
+    wait_round_after(a, t1, timeout=90)
+    a.kill(signal.SIGKILL)
+    prod.kill()
+    prod.wait(timeout=30)
+    shutil.rmtree(a.hot)
+    direct = [o.replace(fault_proxy.endpoint_url, rgw.endpoint_url) for o in opts]
+    b, _ = takeover(tmp_path, f"s3://{bucket}/stores/rpo3", direct, "b")
+    cleanup_list.append(b)
+    got = consume(b.mnt, "--redispatch", "--check-keys", "200")
+    assert got["ok"] and got["messages"] >= n1 and got["cq_units"] >= n1, (got, n1)
+
+
+def test_rpo_config_is_documented():
+    from tierfs.config import schema_markdown
+
+    assert "tiering.rpo_seconds" in schema_markdown()
+    assert CONSUMER.exists()
+
+
+def test_force_names_the_holder_and_fencing_is_final(tmp_path):
+    """In process: --force must name the holder in force; the writer taken over is fenced by the store's word
+    (verify), says so, and never takes the lease again in its life, not even once the new one is released."""
+    from tierfs.tier.lease import LeaseHeld, WriterLease
+
+    store = open_store(f"file://{tmp_path}")
+    old = WriterLease(store, "sid", tmp_path / "hot-a", tmp_path / "mnt-a", ttl=60, host="a")
+    new = WriterLease(store, "sid", tmp_path / "hot-b", tmp_path / "mnt-b", ttl=60, host="b")
+    old.acquire()
+    with pytest.raises(LeaseHeld, match=r"--force 'a:/nowhere' does not name the holder in force"):
+        new.acquire(force="a:/nowhere")
+    new.acquire(force=old.id)
+    assert new.epoch == old.epoch + 1 and old.held()  # the old writer's own clock still says held...
+    with pytest.raises(ObjectStoreError, match="fenced"):
+        old.verify()  # ...the store says otherwise
+    assert old.fenced and not old.held()
+    new.release()
+    with pytest.raises(LeaseHeld):
+        old.acquire()  # a released lease is free for anyone but a writer that was taken over
+
+
+def test_append_ranges_merge_and_cover():
+    from tierfs.tier.appendlog import TailObject, coalesce, covered_by
+
+    assert coalesce([(100, 200), (0, 10), (150, 300), (9000, 9100)], 9050, gap=1000) == [(0, 300), (9000, 9050)]
+    assert coalesce([(0, 10), (20, 30)], 100, gap=0) == [(0, 10), (20, 30)]
+    merged = coalesce([(0, 4096), (4096, 8192)], 1 << 20, 0)
+    assert covered_by(TailObject("k", 100, 5000, 0), merged)
+    assert not covered_by(TailObject("k", 8000, 500, 0), merged)

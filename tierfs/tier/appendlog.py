@@ -1,0 +1,518 @@
+"""Continuous tiering of active files: the bucket holds a consistent point no older than `tiering.rpo_seconds`.
+
+Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with an object store):
+
+1. dirty kernel pages of every file that is not tiered are written back by an fsync through the mount, from a
+   child process (tierfs.tier.flusher: a daemon thread must never do I/O on its own mount);
+2. each segment that is not tiered uploads what was written to it since its last upload as *append objects*
+   named by start offset and length,
+   `<store-id>/tail/<incarnation>/<file no>/<start, 16 digits>-<length, 12 digits>.<upload no>`, crc32c in their
+   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset,
+   for every kind the ranges the daemon saw written (an IndexFile's hash slots, a recovery rewriting a tail),
+   merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
+   starts again at the last committed offset with the failed ranges (no need to ask how much of the failed one
+   landed: every upload has its own key, so a late one can never overwrite what a snapshot names). Objects are
+   applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired;
+3. the catalog snapshot (tierfs.tier.snapshot) goes last: mutable files (checkpoint, config/*) as its
+   content-addressed blobs, active segments as their append objects (table `snapshot_tails`), sealed ones as
+   their segment objects; its pointer is the last write, so a reader only ever sees a complete point.
+
+A segment that becomes TIERED no longer needs its append objects: they are retired and deleted once no kept
+snapshot names them and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the
+writer a takeover replaced) are retired the same way.
+
+The achieved RPO per kind is the age of the oldest write the bucket does not hold yet (0 when it holds all):
+`tierfs status` and the metric `tierfs_rpo_lag_seconds{kind=...}` show it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import crc32c
+import trio
+
+from tierfs.objectstore import ObjectStore
+from tierfs.objectstore.base import ObjectStoreError, validate_key
+from tierfs.store.paths import Kind, classify
+from tierfs.tier.catalog import State
+
+if TYPE_CHECKING:
+    from tierfs.tier.engine import Engine
+
+log = logging.getLogger("tierfs.appendlog")
+
+APPEND_KINDS = frozenset((Kind.COMMITLOG, Kind.CONSUMEQUEUE, Kind.BATCHCONSUMEQUEUE, Kind.CONSUMEQUEUE_EXT,
+                          Kind.TIMERLOG))
+MAX_OBJECT = 64 << 20  # one append object at most: a first upload of a long tail goes in pieces
+GAP = 64 << 10  # written ranges closer than this go up as one object
+_ZERO_SCAN = 1 << 20
+FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
+TAILS_SCHEMA = """
+CREATE TABLE snapshot_tails (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
+                             mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, objects TEXT NOT NULL);
+"""
+
+
+def tail_prefix(store_id: str) -> str:
+    return f"{store_id}/tail/"
+
+
+@dataclass(frozen=True)
+class TailObject:
+    key: str
+    start: int
+    length: int
+    crc: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class Tail:
+    """One active segment: what of it the bucket holds, and what was written since."""
+
+    rel: str
+    ino: int
+    fileno: int
+    committed: int = 0  # append-only kinds: [0, committed) is in append objects (beyond: not uploaded yet)
+    objects: list[TailObject] = field(default_factory=list)
+    dirty: list[tuple[int, int]] = field(default_factory=list)  # ranges written since the last upload
+    uploaded: bool = False  # False: the first upload takes every data extent of the file
+
+
+def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
+    """Sorted, merged [lo, hi) ranges clipped to `size`; ranges closer than `gap` become one (one PUT of a few
+    extra bytes is cheaper than two)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((max(0, lo), min(hi, size)) for lo, hi in ranges):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def covered_by(o: TailObject, newer: list[tuple[int, int]]) -> bool:
+    """Is [o.start, o.end) inside the union of the (sorted, merged) ranges?"""
+    return any(lo <= o.start and o.end <= hi for lo, hi in newer)
+
+
+@dataclass(frozen=True)
+class TailRow:
+    """An active file in a snapshot: sparse at `size`, the append objects applied in order."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    mode: int
+    uid: int
+    gid: int
+    objects: tuple[TailObject, ...]
+
+    def encode(self) -> tuple:
+        objs = [[o.key, o.start, o.length, f"{o.crc:08x}"] for o in self.objects]
+        return (self.path, self.size, self.mtime_ns, self.mode, self.uid, self.gid, json.dumps(objs))
+
+
+# ------------------------------------------------------------------------------------------ reader side
+
+
+def load_tails(db, store_id: str) -> list[TailRow]:
+    """The snapshot_tails rows of a snapshot (an sqlite3 connection), validated: untrusted input from a bucket.
+    A snapshot without the table (format 1) has none."""
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='snapshot_tails'").fetchone():
+        return []
+    out = []
+    for path, size, mtime_ns, mode, uid, gid, objs in db.execute("SELECT * FROM snapshot_tails"):
+        try:
+            if not (isinstance(size, int) and size >= 0 and isinstance(mtime_ns, int)):
+                raise ValueError(f"size {size!r} or mtime {mtime_ns!r} is not a valid integer")
+            parsed = []
+            for key, start, length, crc in json.loads(objs):
+                validate_key(key)
+                if not key.startswith(tail_prefix(store_id)):
+                    raise ValueError(f"append object {key!r} is outside {tail_prefix(store_id)}")
+                if not (isinstance(start, int) and isinstance(length, int) and 0 <= start and 0 < length
+                        and start + length <= size):
+                    raise ValueError(f"append object {key!r} range {start!r}+{length!r} is outside the file")
+                parsed.append(TailObject(key, start, length, int(crc, 16)))
+            out.append(TailRow(path, size, mtime_ns, int(mode), int(uid), int(gid), tuple(parsed)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tail row {path!r} is invalid: {e}") from None
+    return out
+
+
+def materialise(store: ObjectStore, hot: Path, row: TailRow) -> int:
+    """Write a tail's append objects into its (sparse, full-size) local file, each verified by its crc32c;
+    restore its mtime. Returns the bytes written. Blocking; ObjectStoreError or ValueError on a bad object."""
+    fd = os.open(hot / row.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    n = 0
+    try:
+        for o in row.objects:
+            data = store.get(o.key)
+            if len(data) != o.length or crc32c.crc32c(data) != o.crc:
+                raise ValueError(f"append object {o.key} of {row.path} is corrupt: {len(data)} bytes with crc32c "
+                                 f"{crc32c.crc32c(data):08x}, the snapshot says {o.length} with {o.crc:08x}")
+            os.pwrite(fd, data, o.start)
+            n += len(data)
+        os.fsync(fd)
+        os.utime(fd, ns=(row.mtime_ns, row.mtime_ns))
+    finally:
+        os.close(fd)
+    return n
+
+
+# ------------------------------------------------------------------------------------------ writer side
+
+
+def data_extents(fd: int, size: int, start: int = 0) -> list[tuple[int, int]]:
+    """Maximal [start, end) ranges holding data (SEEK_DATA/SEEK_HOLE), from `start` up to `size`."""
+    out = []
+    off = start
+    while off < size:
+        try:
+            begin = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                break
+            raise
+        if begin >= size:
+            break
+        end = os.lseek(fd, begin, os.SEEK_HOLE)
+        out.append((begin, min(end, size)))
+        off = end
+    return out
+
+
+def data_end(fd: int, start: int, size: int) -> int:
+    """End of the last non-zero byte at or after `start` (holes skipped by SEEK_DATA/SEEK_HOLE; a zero-filled
+    tail of the last data extent trimmed), or `start` when there is none."""
+    ext = data_extents(fd, size, start)
+    last = ext[-1][1] if ext else start
+    end = last
+    while end > start:
+        lo = max(start, end - _ZERO_SCAN)
+        chunk = os.pread(fd, end - lo, lo).rstrip(b"\0")
+        if chunk:
+            return lo + len(chunk)
+        end = lo
+    return start
+
+
+class AppendLog:
+    def __init__(self, engine: Engine):
+        self.eng = engine
+        self.store = engine.store
+        self.sid = engine.store_id
+        self.rpo = float(engine.config["tiering.rpo_seconds"])
+        self.incarnation = f"{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+        self.tails: dict[int, Tail] = {}  # by hot-dir st_ino
+        self.pending: dict[int, tuple[str, float]] = {}  # ino -> (kind, first write the bucket lacks)
+        self.retired: dict[str, float] = {}  # append objects no longer needed -> since when
+        self._fileno = 0
+        self._upload_no = 0
+        self._listed_old = False
+        self.rounds = 0
+        self.failed_rounds = 0
+        self.puts = 0
+        self.put_bytes = 0
+        self.put_failures = 0
+        self.deleted = 0
+        self.last_round: dict = {}
+        self.last_error = ""
+        # set by the FUSE front (mount.py): the hot-dir inodes open through the mount now
+        self.open_inodes: Callable[[], set[int]] | None = None
+
+    # ------------------------------------------------------------------ events from the FUSE front
+
+    def note_write(self, ino: int, rel: str | None, off: int, n: int) -> None:
+        """A write reached the daemon (a write(2), or the kernel writing back pages, mmap'd ones included)."""
+        if ino not in self.pending:
+            self.pending[ino] = (classify(rel).value if rel else Kind.MUTABLE.value, time.time())
+        t = self.tails.get(ino)
+        if t is not None and n:
+            t.dirty.append((off, off + n))
+
+    def note_truncate(self, ino: int, size: int) -> None:
+        self.note_write(ino, None, size, 0)
+        t = self.tails.get(ino)
+        if t is not None and size < t.committed:
+            t.committed = size
+
+    # ------------------------------------------------------------------ status
+
+    def lag(self, now: float | None = None) -> dict[str, float]:
+        """Achieved RPO per kind: the age of the oldest write the bucket does not hold yet (0: holds all)."""
+        now = time.time() if now is None else now
+        out: dict[str, float] = {}
+        for kind, since in self.pending.values():
+            out[kind] = max(out.get(kind, 0.0), round(now - since, 3))
+        return out
+
+    def status(self) -> dict:
+        lag = self.lag()
+        return {"rpo_seconds": self.rpo, "lag_s": lag, "lag_max_s": max(lag.values(), default=0.0),
+                "rounds": self.rounds, "failed_rounds": self.failed_rounds, "active_tails": len(self.tails),
+                "append_puts": self.puts, "append_bytes": self.put_bytes, "append_put_failures": self.put_failures,
+                "append_objects_deleted": self.deleted, "retired_pending": len(self.retired),
+                "last_round": self.last_round, "last_error": self.last_error}
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.round(flush=True)
+            await trio.sleep(max(0.0, self.rpo - (time.monotonic() - started)))
+
+    async def final(self) -> None:
+        """At a clean unmount (the mount is gone: no flush through it, and nothing writes any more)."""
+        with trio.move_on_after(FINAL_TIMEOUT_S):
+            await self.round(flush=False, reason="unmount")
+            return
+        log.error("the continuous upload at unmount did not finish; the bucket holds the previous point")
+
+    async def round(self, flush: bool, reason: str = "rpo") -> bool:
+        """One round: flush, append uploads, snapshot last. True when a new consistent point was published."""
+        eng = self.eng
+        if not eng.store_writable():
+            return False
+        t0 = time.time()
+        m0 = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(self._verify_lease, limiter=eng.limiter)
+            files = await trio.to_thread.run_sync(self._scan)
+            if flush:
+                await self._flush(self._to_flush(files))
+            n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
+            snap = None
+            if eng.snapshotter is not None:
+                # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
+                roll = eng.snapshotter.roll_requested
+                snap = await eng.snapshotter.take(reason, force=roll)
+                if roll:
+                    eng.snapshotter.roll_requested = False
+            # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
+            # means the previous one already holds it), except in files whose upload failed: the snapshot still
+            # went up, naming their last committed objects, so one failing file never holds the others back
+            self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0 or ino in failed}
+            await trio.to_thread.run_sync(self._collect, limiter=eng.limiter)
+            if upload_error is not None:
+                raise upload_error
+        except Exception as e:  # noqa: BLE001 - never let a round take the daemon (or its unmount) down
+            self.failed_rounds += 1
+            self.last_error = f"{time.strftime('%H:%M:%S')}: {type(e).__name__}: {e}"
+            log.warning("continuous upload round failed (%s); the next round starts from the last committed "
+                        "offsets", self.last_error, exc_info=not isinstance(e, (ObjectStoreError, OSError,
+                                                                                ValueError)))
+            return False
+        self.rounds += 1
+        self.last_error = ""
+        self.last_round = {"time": t0, "seconds": round(time.monotonic() - m0, 3), "append_objects": n_obj,
+                           "append_bytes": n_bytes, "snapshot_seq": (snap or {}).get("seq"),
+                           "files": len(files)}
+        return True
+
+    def _verify_lease(self) -> None:
+        if self.eng.lease is not None:
+            self.eng.lease.verify()
+
+    # ------------------------------------------------------------------ steps
+
+    def _scan(self) -> list[tuple[str, os.stat_result]]:
+        """Blocking: every regular file of the hot dir that is not tiered (those may hold unwritten pages)."""
+        eng = self.eng
+        out = []
+        stack = [""]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(eng.hot / d if d else eng.hot)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for ent in it:
+                    rel = f"{d}/{ent.name}" if d else ent.name
+                    if not d and Path(ent.path) == eng.state_dir:
+                        continue
+                    try:
+                        st = ent.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(rel)
+                    elif stat.S_ISREG(st.st_mode):
+                        e = eng.entries.get(rel)
+                        if e is None or e.state is not State.TIERED:
+                            out.append((rel, st))
+        return out
+
+    async def _flush(self, rels: list[str]) -> None:
+        """fsync the files through the mount from a child process, so every page the kernel still holds dirty
+        reaches the daemon (and the hot dir) before the round reads them."""
+        if self.eng.mountpoint is None or not rels:
+            return
+        paths = b"\0".join(r.encode("utf-8", "surrogateescape") for r in rels)
+        with trio.move_on_after(max(30.0, 3 * self.rpo)) as scope:
+            done = await trio.run_process([sys.executable, "-P", "-m", "tierfs.tier.flusher",
+                                           str(self.eng.mountpoint)], stdin=paths, capture_stdout=True,
+                                          capture_stderr=True, check=False)
+        if scope.cancelled_caught:
+            raise OSError(errno.ETIMEDOUT, "flushing dirty pages through the mount timed out")
+        failed = done.stdout.decode("utf-8", "replace").splitlines()
+        if failed:
+            log.warning("flushing %d files through the mount failed, e.g. %s", len(failed), failed[0])
+
+    def _to_flush(self, files: list[tuple[str, os.stat_result]]) -> list[str]:
+        """The files that may hold pages dirty in the kernel: open through the mount (a close writes a file's
+        pages back), or written since the last round. Every file when the FUSE front does not say."""
+        if self.open_inodes is None:
+            return [rel for rel, _ in files]
+        live = self.open_inodes() | set(self.pending)
+        return [rel for rel, st in files if st.st_ino in live]
+
+    async def _upload_tails(self, files: list[tuple[str, os.stat_result]]
+                            ) -> tuple[int, int, set[int], Exception | None]:
+        """Append objects for every segment that is not tiered and has new bytes; retire the tails of files that
+        are gone, tiered or replaced. A failed upload leaves its tail as it was (the next round retries).
+        Returns (objects, bytes, inodes whose upload failed, the first error)."""
+        live: set[int] = set()
+        n_obj = n_bytes = 0
+        error: Exception | None = None
+        failed: set[int] = set()
+        for rel, st in files:
+            if not classify(rel).is_segment:
+                continue  # mutable files go as the snapshot's blobs
+            live.add(st.st_ino)
+            t = self.tails.get(st.st_ino)
+            if t is None or t.rel != rel:
+                if t is not None:
+                    self._retire(t)
+                self._fileno += 1
+                t = self.tails[st.st_ino] = Tail(rel, st.st_ino, self._fileno)
+            dirty, t.dirty = t.dirty, []  # writes during the upload start the next list
+            try:
+                objs, end = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
+            except (ObjectStoreError, OSError) as e:
+                t.dirty = dirty + t.dirty  # Non-StopWrite: the next round uploads them (under new keys)
+                self.put_failures += 1
+                failed.add(t.ino)
+                error = error or e
+                continue
+            t.uploaded = True
+            if objs:
+                merged = coalesce([(o.start, o.end) for o in objs], 1 << 62, 0)
+                keep = [o for o in t.objects if not covered_by(o, merged)]
+                for o in t.objects:
+                    if not covered_by(o, merged):
+                        continue
+                    self.retired[o.key] = time.time()  # wholly rewritten by the new objects
+                t.objects = keep + objs
+                n_obj += len(objs)
+                n_bytes += sum(o.length for o in objs)
+            t.committed = end
+        for ino in [i for i in self.tails if i not in live]:
+            self._retire(self.tails.pop(ino))
+        return n_obj, n_bytes, failed, error
+
+    def _keys(self, t: Tail) -> list[str]:
+        return [o.key for o in t.objects]
+
+    def _retire(self, t: Tail) -> None:
+        now = time.time()
+        for o in t.objects:
+            self.retired.setdefault(o.key, now)
+
+    def _upload_one(self, t: Tail, dirty: list[tuple[int, int]]) -> tuple[list[TailObject], int]:
+        """Blocking: upload what changed in one file: at the first upload every byte up to its last data; later
+        the ranges written since (and, for append-only kinds, anything past the committed offset, which holds
+        even for a write this daemon did not see). Returns the new objects and the new committed offset."""
+        fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != t.ino:
+                return [], t.committed
+            size = st.st_size
+            committed = min(t.committed, size)
+            if not t.uploaded:
+                ranges = [(0, data_end(fd, 0, size))]
+            else:
+                ranges = list(dirty)
+                if classify(t.rel) in APPEND_KINDS:
+                    ranges.append((committed, data_end(fd, committed, size)))
+            ranges = coalesce(ranges, size)
+            objs = []
+            end = max([committed] + [hi for _, hi in ranges])
+            for off, n in ((o, min(MAX_OBJECT, hi - o)) for lo, hi in ranges for o in range(lo, hi, MAX_OBJECT)):
+                data = os.pread(fd, n, off)
+                if len(data) < n:  # truncated meanwhile: what is left
+                    end = min(end, off + len(data))
+                    if not data:
+                        break
+                crc = crc32c.crc32c(data)
+                self._upload_no += 1
+                key = f"{tail_prefix(self.sid)}{self.incarnation}/{t.fileno:06d}/{off:016d}-{len(data):012d}." \
+                      f"{self._upload_no}"
+                self.eng.fence(key)
+                self.store.put(key, data, metadata={"crc32c": f"{crc:08x}", "offset": str(off)})
+                objs.append(TailObject(key, off, len(data), crc))
+                self.puts += 1
+                self.put_bytes += len(data)
+            return objs, end
+        finally:
+            os.close(fd)
+
+    def snapshot_rows(self, stats: dict[str, os.stat_result]) -> dict[str, TailRow]:
+        """The tails a snapshot taken now names (only files whose inode is still the tail's). On the trio
+        thread: a consistent view of the committed objects."""
+        out = {}
+        for t in self.tails.values():
+            st = stats.get(t.rel)
+            if st is None or st.st_ino != t.ino:
+                continue
+            objs = tuple(o if o.end <= st.st_size else None for o in t.objects if o.start < st.st_size)
+            if any(o is None for o in objs):
+                continue  # shrunk below an object: a blob of it this time
+            out[t.rel] = TailRow(t.rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_uid,
+                                 st.st_gid, objs)  # type: ignore[arg-type]
+        return out
+
+    def _collect(self) -> None:
+        """Blocking: delete retired append objects (and those of earlier daemons) once no kept snapshot names
+        them and the grace period passed."""
+        now = time.time()
+        if not self._listed_old:
+            mine = f"{tail_prefix(self.sid)}{self.incarnation}/"
+            for info in self.store.list(tail_prefix(self.sid)):
+                if not info.key.startswith(mine):
+                    self.retired.setdefault(info.key, now)
+            self._listed_old = True
+        grace = float(self.eng.config["delete.grace_seconds"])
+        due = [k for k, since in self.retired.items() if now - since >= grace]
+        if not due or self.eng.snapshotter is None:
+            return
+        free = self.eng.snapshotter.unreferenced(due)
+        if not free:
+            return
+        if self.eng.lease is not None:
+            self.eng.lease.verify()
+        self.store.delete_many(free)
+        for k in free:
+            self.retired.pop(k, None)
+        self.deleted += len(free)
+        log.info("deleted %d append objects no kept snapshot names", len(free))
