@@ -39,18 +39,18 @@ from tierfs.objectstore import ObjectStore, open_store
 from tierfs.objectstore.base import ObjectStoreError
 from tierfs.tier import snapshot
 from tierfs.tier import storeconfig
+from tierfs.tier.appendlog import AppendLog
 from tierfs.tier.blockcache import BlockCache
 from tierfs.tier.catalog import NEVER, Catalog, Entry, State
 from tierfs.tier.compaction import Compactor
 from tierfs.tier.evictor import Evictor
+from tierfs.tier.follow import Follower
 from tierfs.tier.janitor import run_janitor
 from tierfs.tier.lease import WriterLease
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
-from tierfs.tier.uploader import Uploader
-from tierfs.tier.appendlog import AppendLog
-from tierfs.tier.follow import Follower
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
+from tierfs.tier.uploader import Uploader
 
 log = logging.getLogger("tierfs.tier")
 
