@@ -1,13 +1,20 @@
 """The block cache: serves reads of tiered segments and makes them writable again (DESIGN §7, §10).
 
 A tiered segment keeps its hot file at its true size, with holes where blocks were evicted; the entry's resident
-bitmap says which blocks are real. A read of a non-resident block starts a ranged GET (one per run of blocks
-inside one object, raw chunk or lz4c), checks each block's crc32c, writes it into the hole and serves the read
-from the hot file. Sequential readers get read-ahead (tierfs.tier.readahead) within `readahead.budget_bytes`.
+bitmap says which blocks are real. A read of a block that is neither resident nor in memory starts a ranged GET
+(one per run of blocks inside one object, raw chunk or lz4c) and checks each block's crc32c. Verified blocks land
+in a bounded pool of buffers (tierfs.tier.bufferpool, within `readahead.budget_bytes`) and the FUSE reply is cut
+from there: a cold read never waits for the disk. Writing blocks into the hot file (the local cache) happens after,
+in a worker thread, and only where the cache budget wants them kept: blocks a reader asked for always (the evictor
+keeps the budget by LRU), prefetched blocks of a scan only while the cache is below its low watermark, so a large
+scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
 A write or truncate of a tiered segment first fetches what it keeps and turns the file HOT at a new generation.
 
-Concurrency rule: everything that checks residency and then touches hot-file bytes (pread, pwrite of a fetched
-block) does so with no `await` in between, so trio's cooperative scheduling makes it atomic.
+Concurrency rules: everything that checks residency and then touches hot-file bytes on the trio thread (pread,
+an inline install) does so with no `await` in between, so trio's cooperative scheduling makes it atomic. A block
+being installed by a worker thread is in `installing` until its bit is set: the evictor never punches it, and a
+rewrite waits for every install of its file (`_installs_done`) and allows no new one, so no late install can land
+over new bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.paths import Kind
 from tierfs.tier import layout, lz4c
+from tierfs.tier.bufferpool import BufferPool
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
@@ -36,6 +44,14 @@ log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
 PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
+INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
+
+
+def _pwrite_blocks(fd: int, data: bytes, todo: list[tuple[int, int, int]], block_bytes: int) -> None:
+    """Blocking: write (block, offset in data, length) pieces of fetched data at their place in the file."""
+    mv = memoryview(data)
+    for b, pos, ln in todo:
+        os.pwrite(fd, mv[pos:pos + ln], b * block_bytes)
 
 
 def read_lz4c_footer(store: ObjectStore, key: str) -> "lz4c.Footer":
@@ -88,19 +104,20 @@ class BlockCache:
         self.streams: dict[int, ReadAhead] = {}  # read-ahead state by FUSE file handle
         self.footers: dict[str, lz4c.Footer] = {}  # lz4c block tables by object key
         self.prefetch_inflight = 0
+        self.pool = BufferPool(int(engine.config["readahead.budget_bytes"]))  # verified blocks, replies cut here
+        self.installing: set[tuple[int, int, int]] = set()  # blocks a worker thread is writing into the hot file
+        self.installing_bytes = 0
+        self._installs: dict[int, int] = {}  # file id -> installs in flight
+        self._install_done = trio.Event()
+        self._frozen: set[int] = set()  # file ids being rewritten: no install may start
+        self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
 
     def release_stream(self, fh: int) -> None:
         self.streams.pop(fh, None)
 
-    def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
-        # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
-        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
-            return []
-        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
-
     # ------------------------------------------------------------------ reads
 
-    async def read(self, e: Entry, ino: int, fh: int, off: int, size: int) -> bytes:
+    async def read(self, e: Entry, ino: int, fh: int, off: int, size: int) -> bytes | memoryview:
         eng = self.eng
         end = min(off + size, e.size)
         if off >= end:
@@ -114,25 +131,74 @@ class BlockCache:
         window = stream.on_read(off, end)
         waited = False
         deadline = trio.current_time() + float(eng.config["objectstore.read_timeout_seconds"])
+        bb = e.block_bytes
         for _ in range(8):
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
-            missing = self._needs_fetch(e, off, end)
+            missing = self._missing(e, off, end)
             if not missing:
-                for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1):
+                data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
+                for b in range(off // bb, (end - 1) // bb + 1):
                     stream.consumed(b)
                 if window:
-                    self._prefetch(e, stream, (end - 1) // e.block_bytes + 1, window)
+                    self._prefetch(e, stream, (end - 1) // bb + 1, window)
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
                     eng.stats.reads_local += 1
-                return os.pread(eng.fd(e), end - off, off)  # no await since the residency check
+                return data
             waited = True
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
             await self._ensure(e, missing, deadline)
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
+
+    def _missing(self, e: Entry, off: int, end: int) -> list[int]:
+        """Blocks of [off, end) that are neither in memory nor resident (a pinned page needs none)."""
+        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
+            return []
+        pool, fid, gen = self.pool, e.file_id, e.generation
+        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
+                if not e.is_resident(b) and (fid, gen, b) not in pool]
+
+    def _cut(self, e: Entry, off: int, end: int, sequential: bool) -> bytes | memoryview:
+        """The reply for [off, end), nothing missing: slices of pooled buffers, preads of resident runs (one per
+        run). A sequential reader is done with a block once it read to its end: the buffer goes. No await."""
+        eng, pool, bb = self.eng, self.pool, e.block_bytes
+        parts: list[bytes | memoryview] = []
+        run_lo = run_hi = off  # a run of resident bytes not read yet
+        for b in range(off // bb, (end - 1) // bb + 1):
+            b0 = b * bb
+            b1 = b0 + e.block_len(b)
+            lo, hi = max(off, b0), min(end, b1)
+            key = (e.file_id, e.generation, b)
+            mv = pool.get(key)
+            if mv is None:  # resident (or a pinned page)
+                if run_hi != lo:
+                    run_lo = lo
+                run_hi = hi
+                continue
+            if run_hi > run_lo:
+                parts.append(os.pread(eng.fd(e), run_hi - run_lo, run_lo))
+            run_lo = run_hi = hi
+            parts.append(mv[lo - b0:hi - b0])
+            if sequential and hi == b1:
+                pool.discard(key)
+        if run_hi > run_lo:
+            parts.append(os.pread(eng.fd(e), run_hi - run_lo, run_lo))
+        if len(parts) == 1:
+            if isinstance(parts[0], memoryview):
+                eng.stats.reads_from_memory += 1
+            return parts[0]
+        eng.stats.reads_from_memory += 1
+        return b"".join(parts)
+
+    def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
+        """Blocks of [off, end) not resident in the hot file (what a rewrite needs there, pooled or not)."""
+        # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
+        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
+            return []
+        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
 
     async def _ensure(self, e: Entry, blocks: list[int], deadline: float) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
@@ -177,11 +243,13 @@ class BlockCache:
         # each GET brings a whole group (PREFETCH_GROUP_BYTES) instead of one block per read.
         group = max(1, PREFETCH_GROUP_BYTES // e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
+        fid, gen, pool = e.file_id, e.generation, self.pool
         want = [b for b in range(start, hi)
-                if not e.is_resident(b) and (e.file_id, e.generation, b) not in self.inflight]
+                if not e.is_resident(b) and (fid, gen, b) not in self.inflight and (fid, gen, b) not in pool]
         for first, n in block_runs(e, want, group):
             nbytes = n * e.block_bytes
-            if self.prefetch_inflight + nbytes > budget:
+            # what is in flight plus what arrived and is not read yet: a reader slower than the store stops it
+            if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                 return
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
@@ -221,6 +289,7 @@ class BlockCache:
         error = None
         t0 = time.monotonic()
         e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
+        prefetch_counted = prefetch
         try:
             for attempt in (1, 2):
                 try:
@@ -240,7 +309,10 @@ class BlockCache:
                     break
                 bad = self._verify_blocks(e, first, n, data)
                 if bad is None:
-                    self._install_blocks(e, gen, first, n, data)
+                    if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
+                        self.prefetch_inflight -= n * e.block_bytes
+                        prefetch_counted = False
+                    self._land(e, gen, first, n, data, prefetch)
                     stats.fetches += 1
                     stats.fetch_bytes += len(data)
                     self.eng.observe("download", time.monotonic() - t0, len(data))
@@ -256,7 +328,7 @@ class BlockCache:
             log.exception("fetch failed")
         finally:
             e.pins -= 1
-            if prefetch:
+            if prefetch_counted:
                 self.prefetch_inflight -= n * e.block_bytes
             if error:
                 stats.fetch_errors += 1
@@ -280,21 +352,104 @@ class BlockCache:
             pos += ln
         return None
 
-    def _install_blocks(self, e: Entry, gen: int, first: int, n: int, data: bytes) -> None:
-        """Write fetched blocks into the holes, unless the file changed meanwhile. No await in here."""
+    def _same(self, e: Entry, gen: int) -> bool:
+        """Is `e` still the live tiered entry of its inode, at generation `gen`?"""
         eng = self.eng
-        if e.state is not State.TIERED or e.generation != gen or not eng.is_live(e) or eng.tiered.get(e.ino) is not e:
+        return e.state is State.TIERED and e.generation == gen and eng.is_live(e) and eng.tiered.get(e.ino) is e
+
+    def _land(self, e: Entry, gen: int, first: int, n: int, data: bytes, prefetch: bool) -> None:
+        """Verified blocks arrive: into the pool (readers are answered from there), and into the hot file in a
+        worker thread when the cache budget wants them kept. No await in here."""
+        if not self._same(e, gen):
             return
-        fd = eng.fd(e)
-        pos = 0
+        fid = e.file_id
         mv = memoryview(data)
+        todo: list[tuple[int, int, int]] = []
+        pos = 0
         for b in range(first, first + n):
             ln = e.block_len(b)
+            self.pool.put((fid, gen, b), mv[pos:pos + ln], unread=prefetch, reserve=self.prefetch_inflight)
+            if not e.is_resident(b) and (fid, gen, b) not in self.installing:
+                todo.append((b, pos, ln))
+            pos += ln
+        if todo and fid in self._frozen:  # being rewritten: it needs every block in the hot file, now
+            fd = self.eng.fd(e)
+            for b, p, ln in todo:
+                os.pwrite(fd, mv[p:p + ln], b * e.block_bytes)
+                e.set_resident(b, True)
+                self.eng.cache_bytes += ln
+            self.eng.evictor.residency_changed(e)
+        elif todo and self._keep_locally(sum(t[2] for t in todo), prefetch):
+            keys = [(fid, gen, b) for b, _, _ in todo]
+            self.installing.update(keys)
+            self.installing_bytes += sum(t[2] for t in todo)
+            self._installs[fid] = self._installs.get(fid, 0) + 1
+            self.eng.start_soon(self._install, e, gen, todo, data)
+        elif todo:
+            self.eng.stats.memory_only_bytes += sum(t[2] for t in todo)
+
+    def _keep_locally(self, nbytes: int, prefetch: bool) -> bool:
+        """Should fetched blocks go into the local cache? A reader's own blocks always (the evictor keeps the
+        budget, least recently used first); a prefetch only while the cache stays below its low watermark, so a
+        scan of more than the budget neither evicts other files' blocks nor its own just-kept ones."""
+        if not prefetch:
+            return True
+        cfg = self.eng.config
+        limit = int(cfg["cache.max_bytes"]) * float(cfg["cache.low_watermark"])
+        return self.eng.cache_bytes + self.installing_bytes + nbytes <= limit
+
+    async def _install(self, e: Entry, gen: int, todo: list[tuple[int, int, int]], data: bytes) -> None:
+        """Write fetched blocks into the hot file's holes in a worker thread, through a dup of the engine's fd
+        (the engine may close its own meanwhile). The bits are set after the pwrite returned, and only if the
+        file is still this tiered generation."""
+        eng = self.eng
+        fid = e.file_id
+        keys = [(fid, gen, b) for b, _, _ in todo]
+        nbytes = sum(t[2] for t in todo)
+        ok = False
+        try:
+            fd = os.dup(eng.fd(e))
+            try:
+                await trio.to_thread.run_sync(_pwrite_blocks, fd, data, todo, e.block_bytes,
+                                              limiter=self._install_limiter)
+                ok = True
+            finally:
+                os.close(fd)
+        except (OSError, ReadFailed) as err:
+            log.warning("keeping fetched blocks of %s locally failed (%s); they are fetched again when needed",
+                        e.path, err)
+        finally:
+            self.installing.difference_update(keys)
+            self.installing_bytes -= nbytes
+            left = self._installs.pop(fid) - 1
+            if left:
+                self._installs[fid] = left
+            self._install_done.set()
+            self._install_done = trio.Event()
+        if not ok or not self._same(e, gen):
+            return
+        for b, _, ln in todo:
             if not e.is_resident(b):
-                os.pwrite(fd, mv[pos:pos + ln], b * e.block_bytes)
                 e.set_resident(b, True)
                 eng.cache_bytes += ln
-            pos += ln
+        eng.stats.install_bytes += nbytes
+        eng.evictor.residency_changed(e)
+
+    async def _installs_done(self, file_id: int) -> None:
+        while self._installs.get(file_id):
+            await self._install_done.wait()
+
+    def _install_inline(self, e: Entry, blocks: list[int]) -> None:
+        """Write pooled blocks into the hot file now, on the trio thread (a rewrite needs them there). No await."""
+        eng = self.eng
+        fd = eng.fd(e)
+        for b in blocks:
+            mv = self.pool.get((e.file_id, e.generation, b))
+            if mv is None or e.is_resident(b):
+                continue
+            os.pwrite(fd, mv, b * e.block_bytes)
+            e.set_resident(b, True)
+            eng.cache_bytes += len(mv)
         eng.evictor.residency_changed(e)
 
     # ------------------------------------------------------------------ writes into tiered segments
@@ -338,8 +493,17 @@ class BlockCache:
         fetched while this waits for the disk or the catalog."""
         eng = self.eng
         log.info("%s of tiered %s: re-materialising (gen %d -> new)", why, e.path, e.generation)
+        self._frozen.add(e.file_id)  # no new install of old bytes may start; those in flight are waited for
+        try:
+            await self._rematerialise_frozen(e, ino, keep, why, deadline)
+        finally:
+            self._frozen.discard(e.file_id)
+
+    async def _rematerialise_frozen(self, e: Entry, ino: int, keep: int, why: str, deadline: float) -> None:
+        eng = self.eng
         if keep and not await self._make_resident(e, 0, keep, deadline + 600):
             raise ReadFailed(f"{e.path}: could not re-materialise for a {why}")
+        await self._installs_done(e.file_id)
         if eng.tiered.get(ino) is not e:
             return  # another writer re-materialised it meanwhile
         fd = eng.fd(e)
@@ -365,6 +529,7 @@ class BlockCache:
             eng.cache_bytes -= e.resident_bytes()
         eng.become(e, row)
         eng.evictor.forget(e.file_id)
+        self.pool.discard_file(e.file_id)
         for k in old_keys:
             self.footers.pop(k, None)
         eng.stats.rewrites += 1
@@ -377,6 +542,9 @@ class BlockCache:
             if tiered.get(e.ino) is not e:
                 return True
             missing = self._needs_fetch(e, off, end)
+            if missing:
+                self._install_inline(e, missing)  # those already in memory, with no await since the check
+                missing = self._needs_fetch(e, off, end)
             if not missing:
                 return True
             await self._ensure(e, missing, deadline)
