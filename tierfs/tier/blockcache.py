@@ -6,8 +6,8 @@ bitmap says which blocks are real. A read of a block that is neither resident no
 in a bounded pool of buffers (tierfs.tier.bufferpool, within `readahead.budget_bytes`) and the FUSE reply is cut
 from there: a cold read never waits for the disk. Writing blocks into the hot file (the local cache) happens after,
 in a worker thread, and only where the cache budget wants them kept: blocks a reader asked for always (the evictor
-keeps the budget by LRU), prefetched blocks of a scan only while the cache is below its low watermark, so a large
-scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
+keeps the budget by LRU), the blocks of a sequential stream (prefetched, or asked for by a scan) only while
+the cache is below its low watermark, so a large scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
 A write or truncate of a tiered segment first fetches what it keeps and turns the file HOT at a new generation.
 
 Concurrency rules: everything that checks residency and then touches hot-file bytes on the trio thread (pread,
@@ -52,6 +52,31 @@ def _pwrite_blocks(fd: int, data: bytes, todo: list[tuple[int, int, int]], block
     mv = memoryview(data)
     for b, pos, ln in todo:
         os.pwrite(fd, mv[pos:pos + ln], b * block_bytes)
+
+
+def first_bad_block(first: int, data: bytes, crcs: list[int], lens: list[int]) -> int | None:
+    """The first block of `data` (blocks first, first+1, ... of lengths `lens`) that fails its crc32c, or None."""
+    mv = memoryview(data)
+    pos = 0
+    for i, (crc, ln) in enumerate(zip(crcs, lens)):
+        if len(data) < pos + ln or crc32c.crc32c(mv[pos:pos + ln]) != crc:
+            return first + i
+        pos += ln
+    return None
+
+
+def _get_checked(store: ObjectStore, key: str, start: int, length: int, first: int, crcs: list[int],
+                 lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: one ranged GET of a raw chunk object, and its blocks' crc32c check."""
+    data = store.get_range(key, start, length)
+    return data, first_bad_block(first, data, crcs, lens)
+
+
+def _decode_checked(footer: "lz4c.Footer", first: int, n: int, packed: bytes, crcs: list[int],
+                    lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: decompress the lz4 blocks of an lz4c object's range, and check their crc32c."""
+    data = lz4c.decode_blocks(footer, first, n, packed)
+    return data, first_bad_block(first, data, crcs, lens)
 
 
 def read_lz4c_footer(store: ObjectStore, key: str) -> "lz4c.Footer":
@@ -150,7 +175,7 @@ class BlockCache:
             waited = True
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
-            await self._ensure(e, missing, deadline)
+            await self._ensure(e, missing, deadline, scan=window > 0)
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
 
     def _missing(self, e: Entry, off: int, end: int) -> list[int]:
@@ -200,7 +225,7 @@ class BlockCache:
             return []
         return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
 
-    async def _ensure(self, e: Entry, blocks: list[int], deadline: float) -> None:
+    async def _ensure(self, e: Entry, blocks: list[int], deadline: float, scan: bool = False) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
         error a reader gets is the one of the fetch it waited for."""
         fetches: dict[int, Fetch] = {}
@@ -212,7 +237,7 @@ class BlockCache:
             else:
                 todo.append(b)
         for first, n in block_runs(e, todo, 8):
-            f = self._start_fetch(e, first, n, prefetch=False)
+            f = self._start_fetch(e, first, n, prefetch=False, scan=scan)
             fetches[id(f)] = f
         timeout = self.eng.config["objectstore.read_timeout_seconds"]
         if any(f.gave_up for f in fetches.values()):
@@ -230,11 +255,11 @@ class BlockCache:
             if f.error:
                 raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool) -> Fetch:
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool) -> Fetch:
         f = Fetch()
         for b in range(first, first + n):
             self.inflight[(e.file_id, e.generation, b)] = f
-        self.eng.start_soon(self._fetch, e, first, n, f, prefetch)
+        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan)
         return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
@@ -253,26 +278,28 @@ class BlockCache:
                 return
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
-            self._start_fetch(e, first, n, prefetch=True)
+            self._start_fetch(e, first, n, prefetch=True, scan=True)
 
     @staticmethod
     def _object_of(e: Entry, first: int) -> str:
         return e.objects[0] if e.format == "lz4c" else e.objects[layout.raw_chunk_of(first, e.chunk_bytes,
                                                                                     e.block_bytes)[0]]
 
-    async def _read_blocks(self, e: Entry, first: int, n: int) -> bytes:
-        """The content of blocks [first, first+n) from the object store: one ranged GET of a raw chunk object,
-        or of the covering lz4 blocks of an lz4c object (decompressed and checked off the trio loop)."""
+    async def _read_blocks(self, e: Entry, first: int, n: int) -> tuple[bytes, int | None]:
+        """The content of blocks [first, first+n) from the object store, and the first block that fails its
+        crc32c (None: all good): one ranged GET of a raw chunk object, or of the covering lz4 blocks of an lz4c
+        object. GET, decompression and the check all run in the worker thread, off the trio loop."""
         store = self.eng.store
         key = self._object_of(e, first)
+        crcs = e.block_crcs[first:first + n]
+        lens = [e.block_len(b) for b in range(first, first + n)]
         if e.format == "lz4c":
             footer = await self._footer(key)
             off, length = lz4c.block_span(footer, first, n)
             packed = await self.eng.io(store.get_range, key, off, length)
-            return await trio.to_thread.run_sync(lz4c.decode_blocks, footer, first, n, packed)
+            return await trio.to_thread.run_sync(_decode_checked, footer, first, n, packed, crcs, lens)
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
-        length = sum(e.block_len(b) for b in range(first, first + n))
-        return await self.eng.io(store.get_range, key, start, length)
+        return await self.eng.io(_get_checked, store, key, start, sum(lens), first, crcs, lens)
 
     async def _footer(self, key: str) -> "lz4c.Footer":
         """An lz4c object's block table, fetched once (trailer, then footer) and kept in memory."""
@@ -282,7 +309,7 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool) -> None:
+    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool) -> None:
         stats = self.eng.stats
         gen = e.generation
         key = self._object_of(e, first)
@@ -293,7 +320,7 @@ class BlockCache:
         try:
             for attempt in (1, 2):
                 try:
-                    data = await self._read_blocks(e, first, n)
+                    data, bad = await self._read_blocks(e, first, n)
                 except lz4c.Lz4cError as err:
                     stats.corrupt_objects += 1
                     error = f"object {key} of {e.path} is corrupt: {err}"
@@ -307,12 +334,11 @@ class BlockCache:
                     error = f"object {key} of {e.path}: {err}"
                     self.eng.store_down_since = self.eng.store_down_since or time.time()
                     break
-                bad = self._verify_blocks(e, first, n, data)
                 if bad is None:
                     if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
                         self.prefetch_inflight -= n * e.block_bytes
                         prefetch_counted = False
-                    self._land(e, gen, first, n, data, prefetch)
+                    self._land(e, gen, first, n, data, prefetch, scan)
                     stats.fetches += 1
                     stats.fetch_bytes += len(data)
                     self.eng.observe("download", time.monotonic() - t0, len(data))
@@ -341,23 +367,12 @@ class BlockCache:
             fetch.error = None if prefetch else error
             fetch.done.set()
 
-    @staticmethod
-    def _verify_blocks(e: Entry, first: int, n: int, data: bytes) -> int | None:
-        mv = memoryview(data)
-        pos = 0
-        for b in range(first, first + n):
-            ln = e.block_len(b)
-            if len(data) < pos + ln or crc32c.crc32c(mv[pos:pos + ln]) != e.block_crcs[b]:
-                return b
-            pos += ln
-        return None
-
     def _same(self, e: Entry, gen: int) -> bool:
         """Is `e` still the live tiered entry of its inode, at generation `gen`?"""
         eng = self.eng
         return e.state is State.TIERED and e.generation == gen and eng.is_live(e) and eng.tiered.get(e.ino) is e
 
-    def _land(self, e: Entry, gen: int, first: int, n: int, data: bytes, prefetch: bool) -> None:
+    def _land(self, e: Entry, gen: int, first: int, n: int, data: bytes, prefetch: bool, scan: bool) -> None:
         """Verified blocks arrive: into the pool (readers are answered from there), and into the hot file in a
         worker thread when the cache budget wants them kept. No await in here."""
         if not self._same(e, gen):
@@ -379,7 +394,7 @@ class BlockCache:
                 e.set_resident(b, True)
                 self.eng.cache_bytes += ln
             self.eng.evictor.residency_changed(e)
-        elif todo and self._keep_locally(sum(t[2] for t in todo), prefetch):
+        elif todo and self._keep_locally(sum(t[2] for t in todo), scan):
             keys = [(fid, gen, b) for b, _, _ in todo]
             self.installing.update(keys)
             self.installing_bytes += sum(t[2] for t in todo)
@@ -388,11 +403,12 @@ class BlockCache:
         elif todo:
             self.eng.stats.memory_only_bytes += sum(t[2] for t in todo)
 
-    def _keep_locally(self, nbytes: int, prefetch: bool) -> bool:
-        """Should fetched blocks go into the local cache? A reader's own blocks always (the evictor keeps the
-        budget, least recently used first); a prefetch only while the cache stays below its low watermark, so a
-        scan of more than the budget neither evicts other files' blocks nor its own just-kept ones."""
-        if not prefetch:
+    def _keep_locally(self, nbytes: int, scan: bool) -> bool:
+        """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the
+        budget, least recently used first); a sequential stream's (prefetched, or read by a scan) only while the
+        cache stays below its low watermark, so a scan of more than the budget neither evicts other files' blocks
+        nor its own just-kept ones."""
+        if not scan:
             return True
         cfg = self.eng.config
         limit = int(cfg["cache.max_bytes"]) * float(cfg["cache.low_watermark"])
