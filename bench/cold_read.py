@@ -372,6 +372,16 @@ def counters_delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], (int, float)) and not isinstance(b[k], bool)}
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """The daemon's peak resident set so far (VmHWM), in MB: the read-ahead buffers are bounded by
+    readahead.budget_bytes, and this shows it."""
+    with contextlib.suppress(OSError):
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                return round(int(ln.split()[1]) / 1024, 1)
+    return None
+
+
 def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | None, rate: int,
                    perf: Path | None = None) -> dict:
     _, resident = wait_evicted(mnt, settle=5.0)
@@ -385,6 +395,7 @@ def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | 
             stack.enter_context(C.perf_record(mnt.pid, perf))
         res = read_file_sequential(path, crcs, size)
     res["daemon_cpu_s"] = round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2)
+    res["daemon_peak_rss_mb"] = peak_rss_mb(mnt.pid)
     res["segment_resident_before"] = resident
     d = counters_delta(e0, engine_counters(mnt))
     res["engine"] = {k: d.get(k, 0) for k in ("reads_local", "reads_waited", "fetches", "fetch_bytes",
@@ -557,12 +568,14 @@ def print_report(rows: list[dict], reps: list[dict], setup: dict, args: argparse
     b = last["seq"]["boto3"]
     print(f"  boto3 MB/s by part size: {', '.join(f'{p >> 20} MiB {v}' for p, v in b['by_part'].items())}; "
           f"client CPU of the best {b['client_cpu_s']} s")
-    print(f"  tierfs seq: {t['seconds']:.2f} s, daemon CPU {t['daemon_cpu_s']} s, engine {json.dumps(t['engine'])}, "
+    print(f"  tierfs seq: {t['seconds']:.2f} s, daemon CPU {t['daemon_cpu_s']} s, peak RSS "
+          f"{t.get('daemon_peak_rss_mb')} MB, engine {json.dumps(t['engine'])}, "
           f"page cache before {t['resident_before']}, segment bytes resident before {t['segment_resident_before']}")
     print(f"  tierfs seq FUSE: {C.format_stats_delta(t['fuse'])}")
     if "tierfs_b" in last["seq"]:
         tb = last["seq"]["tierfs_b"]
-        print(f"  --ab-src tierfs seq: {tb['seconds']:.2f} s, daemon CPU {tb['daemon_cpu_s']} s, engine "
+        print(f"  --ab-src tierfs seq: {tb['seconds']:.2f} s, daemon CPU {tb['daemon_cpu_s']} s, peak RSS "
+              f"{tb.get('daemon_peak_rss_mb')} MB, engine "
               f"{json.dumps(tb['engine'])}, segment bytes resident before {tb['segment_resident_before']}")
         print(f"  --ab-src tierfs seq FUSE: {C.format_stats_delta(tb['fuse'])}")
     if "ceiling" in last["seq"]:

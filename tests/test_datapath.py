@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,54 @@ def test_holes_of_an_untiered_file_are_answered_without_reading_them(mounted, tm
     want = bytes(8 * MiB + 4096) + data + bytes(32 * MiB - 8 * MiB - 4096 - len(data))
     assert len(got) == len(want) and got == want
     assert status(m)["bytes_read_from_holes"] >= 20 * MiB
+
+
+def test_consumequeue_page_prefetches_the_commitlog_records_it_names(mount_store, tmp_path):
+    """Layout-aware prefetch: reading a page of a tiered ConsumeQueue fetches the evicted CommitLog blocks its units
+    name, so the consumer's record reads that follow are answered from memory without waiting on the store."""
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(MiB), "--cq-size", "2000",
+                        "--index-slots", "500", "--index-items", "2000", "--messages", "4000", "--body-size", "1000",
+                        "--topics", "10", "--queues", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = mount_store(options=[OPTS.replace(f"cache.max_bytes={CAP}", "cache.max_bytes=256KiB")])
+    copy_in(ref, m.mnt)
+    topic = sorted(p.name for p in (ref / "consumequeue").iterdir())[0]
+    cq = f"consumequeue/{topic}/0/{sorted(os.listdir(ref / 'consumequeue' / topic / '0'))[0]}"
+    cls = [f"commitlog/{n}" for n in sorted(os.listdir(ref / "commitlog"))[:-1]]
+
+    def evicted() -> bool:
+        files = {f["path"]: f for f in status(m)["files"]}
+        return all(files.get(p, {}).get("state") == "tiered" and files[p]["resident_bytes"] <= 8192
+                   for p in [cq, *cls])
+    wait_for(evicted, timeout=90, what="the queue file and the sealed CommitLog segments tiered and evicted")
+    for rel in [cq, *cls]:
+        evict(m.mnt / rel)  # written through the mount: still in the page cache
+    e0 = status(m)["totals"]["engine"]
+    page = (m.mnt / cq).read_bytes()
+    units = [u for u in struct.iter_unpack(">qiq", page) if u[0] >= 0 and u[1] > 0]
+    assert len(units) == 100
+    e1 = status(m)["totals"]["engine"]
+    named = e1["named_prefetch_bytes"] - e0["named_prefetch_bytes"]
+    assert named > 0
+    wait_for(lambda: status(m)["totals"]["engine"]["prefetch_bytes"] - e0["prefetch_bytes"] >= named,
+             timeout=30, what="the named CommitLog blocks fetched")
+    e2 = status(m)["totals"]["engine"]
+    seg = MiB
+    for phys, size, _ in units:
+        base = phys - phys % seg
+        name = f"commitlog/{base:020d}"
+        if name not in cls:
+            continue  # in the active segment: local
+        fd = os.open(m.mnt / name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            got = os.pread(fd, size, phys - base)
+        finally:
+            os.close(fd)
+        with open(ref / name, "rb") as f:
+            f.seek(phys - base)
+            assert got == f.read(size), f"record at {phys}"
+    e3 = status(m)["totals"]["engine"]
+    assert e3["reads_waited"] == e2["reads_waited"]  # every record was in memory already
+    assert e3["fetches"] == e2["fetches"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,8 @@ import trio
 from tierfs import failpoints
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
-from tierfs.store.paths import Kind
+from tierfs.store.consumequeue import UNIT_SIZE as CQ_UNIT
+from tierfs.store.paths import Kind, split_root
 from tierfs.tier import layout, lz4c
 from tierfs.tier.bufferpool import BufferPool
 from tierfs.tier.catalog import Entry, State
@@ -44,6 +46,10 @@ log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
 PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
+NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets no generic read-ahead this long
+NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
+_CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
+_PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
 
 
@@ -136,6 +142,8 @@ class BlockCache:
         self._install_done = trio.Event()
         self._frozen: set[int] = set()  # file ids being rewritten: no install may start
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
+        self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
+        self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
 
     def release_stream(self, fh: int) -> None:
         self.streams.pop(fh, None)
@@ -154,6 +162,8 @@ class BlockCache:
             stream = self.streams[fh] = ReadAhead(int(c["readahead.initial_blocks"]), int(c["readahead.batch_blocks"]),
                                                   int(c["readahead.max_blocks"]), tolerance=e.block_bytes)
         window = stream.on_read(off, end)
+        if window and self._named and time.monotonic() - self._named.get(e.file_id, -60.0) < NAMED_HOLD_SECONDS:
+            window = 0  # a consumer's records, named by its ConsumeQueue and prefetched: no blind read-ahead
         waited = False
         deadline = trio.current_time() + float(eng.config["objectstore.read_timeout_seconds"])
         bb = e.block_bytes
@@ -167,6 +177,8 @@ class BlockCache:
                     stream.consumed(b)
                 if window:
                     self._prefetch(e, stream, (end - 1) // bb + 1, window)
+                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT:
+                    self._prefetch_named(e, data, off)
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
@@ -279,6 +291,71 @@ class BlockCache:
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
             self._start_fetch(e, first, n, prefetch=True, scan=True)
+
+    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
+        """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
+        next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
+        coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
+        holding its messages, not the whole CommitLog. No await in here."""
+        eng = self.eng
+        root = split_root(cq.path)[0]
+        seg = self._commitlog_file_size(root)
+        if not seg:
+            return
+        prefix = f"{root}/commitlog/" if root else "commitlog/"
+        mv = memoryview(data)
+        start = -off % CQ_UNIT
+        stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
+        want: dict[int, tuple[Entry, list[int]]] = {}
+        last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
+        for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
+            if phys < 0 or size <= 0:
+                break  # the end of the queue's data
+            if size == _PRE_BLANK_SIZE:
+                continue
+            base = phys - phys % seg
+            c = eng.entries.get(f"{prefix}{base:020d}")
+            if c is None or eng.tiered.get(c.ino) is not c:
+                continue  # local (or unknown): nothing to fetch
+            bb = c.block_bytes
+            rel = phys - base
+            slot = want.get(c.file_id)
+            if slot is None:
+                slot = want[c.file_id] = (c, [])
+            for b in range(rel // bb, min(rel + size - 1, c.size - 1) // bb + 1):
+                if (c.file_id, b) != last:
+                    slot[1].append(b)
+                    last = (c.file_id, b)
+        budget = int(eng.config["readahead.budget_bytes"])
+        now = time.monotonic()
+        if len(self._named) > 1024:
+            self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
+        for c, blocks in want.values():
+            self._named[c.file_id] = now
+            fid, gen, pool = c.file_id, c.generation, self.pool
+            todo = [b for b in blocks if not c.is_resident(b) and (fid, gen, b) not in self.inflight
+                    and (fid, gen, b) not in pool]
+            for first, n in block_runs(c, todo, max(1, PREFETCH_GROUP_BYTES // c.block_bytes)):
+                nbytes = n * c.block_bytes
+                if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
+                    return
+                self.prefetch_inflight += nbytes
+                eng.stats.named_prefetch_bytes += sum(c.block_len(b) for b in range(first, first + n))
+                self._start_fetch(c, first, n, prefetch=True, scan=True)
+
+    def _commitlog_file_size(self, root: str) -> int:
+        """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
+        tiered CommitLog entry; looked up again at most every 10 s while none is known."""
+        size, when = self._commitlog_size.get(root, (0, 0.0))
+        now = time.monotonic()
+        if size or now - when < 10.0:
+            return size
+        for c in self.eng.tiered.values():
+            if c.kind == Kind.COMMITLOG.value and split_root(c.path)[0] == root:
+                size = c.size
+                break
+        self._commitlog_size[root] = (size, now)
+        return size
 
     @staticmethod
     def _object_of(e: Entry, first: int) -> str:
