@@ -100,12 +100,13 @@ def test_holes_of_an_untiered_file_are_answered_without_reading_them(mounted, tm
 
 
 def test_consumequeue_page_prefetches_the_commitlog_records_it_names(mount_store, tmp_path):
-    """Layout-aware prefetch: reading a page of a tiered ConsumeQueue fetches the evicted CommitLog blocks its units
-    name, so the consumer's record reads that follow are answered from memory without waiting on the store."""
+    """Layout-aware prefetch: reading a tiered ConsumeQueue (beyond its pinned first and last pages, which the broker
+    peeks at on start and when cleaning) fetches the evicted CommitLog blocks its units name, so the consumer's
+    record reads that follow are answered from memory without waiting on the store."""
     ref = tmp_path / "ref"
-    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(MiB), "--cq-size", "2000",
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(MiB), "--cq-size", "20000",
                         "--index-slots", "500", "--index-items", "2000", "--messages", "4000", "--body-size", "1000",
-                        "--topics", "10", "--queues", "1"], capture_output=True, text=True, timeout=120)
+                        "--topics", "4", "--queues", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     m = mount_store(options=[OPTS.replace(f"cache.max_bytes={CAP}", "cache.max_bytes=256KiB")])
     copy_in(ref, m.mnt)
@@ -123,7 +124,7 @@ def test_consumequeue_page_prefetches_the_commitlog_records_it_names(mount_store
     e0 = status(m)["totals"]["engine"]
     page = (m.mnt / cq).read_bytes()
     units = [u for u in struct.iter_unpack(">qiq", page) if u[0] >= 0 and u[1] > 0]
-    assert len(units) == 100
+    assert len(units) == 1000
     e1 = status(m)["totals"]["engine"]
     named = e1["named_prefetch_bytes"] - e0["named_prefetch_bytes"]
     assert named > 0

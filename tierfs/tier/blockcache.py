@@ -102,6 +102,11 @@ def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
     return out
 
 
+def in_pinned(e: Entry, off: int, end: int) -> bool:
+    """Does [off, end) lie inside one pinned range (a page that never leaves the hot file)?"""
+    return any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e))
+
+
 def block_runs(e: Entry, blocks: list[int], max_blocks: int) -> list[tuple[int, int]]:
     """Group blocks into (first, count) runs that stay inside one chunk object."""
     per_chunk = e.chunk_bytes // e.block_bytes  # an lz4c entry's "chunk" is the whole segment
@@ -177,8 +182,8 @@ class BlockCache:
                     stream.consumed(b)
                 if window:
                     self._prefetch(e, stream, (end - 1) // bb + 1, window)
-                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT:
-                    self._prefetch_named(e, data, off)
+                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT and not in_pinned(e, off, end):
+                    self._prefetch_named(e, data, off)  # not a peek at a pinned page (broker start, cleaning)
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
@@ -192,7 +197,7 @@ class BlockCache:
 
     def _missing(self, e: Entry, off: int, end: int) -> list[int]:
         """Blocks of [off, end) that are neither in memory nor resident (a pinned page needs none)."""
-        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
+        if not self.eng.read_only and in_pinned(e, off, end):
             return []
         pool, fid, gen = self.pool, e.file_id, e.generation
         return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
@@ -233,7 +238,7 @@ class BlockCache:
     def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
         """Blocks of [off, end) not resident in the hot file (what a rewrite needs there, pooled or not)."""
         # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
-        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
+        if not self.eng.read_only and in_pinned(e, off, end):
             return []
         return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
 
