@@ -149,9 +149,15 @@ class BlockCache:
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
+        self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it read
 
     def release_stream(self, fh: int) -> None:
+        """A handle closed: its read-ahead state goes, and once no handle of that file reads it any more, so do
+        the file's buffers in the pool (what a reader left unread is not kept in memory for nobody)."""
         self.streams.pop(fh, None)
+        fid = self._stream_file.pop(fh, None)
+        if fid is not None and fid not in self._stream_file.values():
+            self.pool.discard_file(fid)
 
     # ------------------------------------------------------------------ reads
 
@@ -166,6 +172,7 @@ class BlockCache:
             c = eng.config
             stream = self.streams[fh] = ReadAhead(int(c["readahead.initial_blocks"]), int(c["readahead.batch_blocks"]),
                                                   int(c["readahead.max_blocks"]), tolerance=e.block_bytes)
+            self._stream_file[fh] = e.file_id
         window = stream.on_read(off, end)
         if window and self._named and time.monotonic() - self._named.get(e.file_id, -60.0) < NAMED_HOLD_SECONDS:
             window = 0  # a consumer's records, named by its ConsumeQueue and prefetched: no blind read-ahead
@@ -301,7 +308,9 @@ class BlockCache:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
         next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
         coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
-        holding its messages, not the whole CommitLog. No await in here."""
+        holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
+        its CommitLog mapped) and has read from: their buffers live until the last such handle closes. No await
+        in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
         seg = self._commitlog_file_size(root)
@@ -311,6 +320,7 @@ class BlockCache:
         mv = memoryview(data)
         start = -off % CQ_UNIT
         stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
+        reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
         want: dict[int, tuple[Entry, list[int]]] = {}
         last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
         for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
@@ -320,8 +330,8 @@ class BlockCache:
                 continue
             base = phys - phys % seg
             c = eng.entries.get(f"{prefix}{base:020d}")
-            if c is None or eng.tiered.get(c.ino) is not c:
-                continue  # local (or unknown): nothing to fetch
+            if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
+                continue  # local (or unknown, or no reader has it open): nothing to fetch
             bb = c.block_bytes
             rel = phys - base
             slot = want.get(c.file_id)

@@ -5,7 +5,8 @@ answered from these buffers, so a cold sequential read never goes through the ho
 into the hot file (the local cache) is a separate decision, taken only where the cache budget wants it kept.
 
 The pool is bounded (`readahead.budget_bytes`, shared with the prefetches in flight): least recently used blocks
-go first. Blocks that a prefetch brought and no one has read yet are counted apart (`unread_bytes`), because the
+go first, and a file's buffers go when its last reader closes it (they were there for that reader; the next
+open reads the local cache or the store again). Blocks that a prefetch brought and no one has read yet are counted apart (`unread_bytes`), because the
 read-ahead must stop asking for more while they pile up. Keys carry the generation, so a block of an older
 generation of a file is never served for a newer one.
 """
@@ -18,13 +19,14 @@ Key = tuple[int, int, int]  # (file id, generation, block)
 
 
 class BufferPool:
-    __slots__ = ("budget", "nbytes", "unread_bytes", "_blocks")
+    __slots__ = ("budget", "nbytes", "unread_bytes", "_blocks", "_by_file")
 
     def __init__(self, budget: int):
         self.budget = budget
         self.nbytes = 0
         self.unread_bytes = 0  # of nbytes: prefetched and not read yet
         self._blocks: OrderedDict[Key, list] = OrderedDict()  # key -> [memoryview, unread]
+        self._by_file: dict[int, set[Key]] = {}  # file id -> its keys
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -48,6 +50,7 @@ class BufferPool:
         fetched into memory) is over the budget."""
         self.discard(key)
         self._blocks[key] = [data, unread]
+        self._by_file.setdefault(key[0], set()).add(key)
         self.nbytes += len(data)
         if unread:
             self.unread_bytes += len(data)
@@ -57,11 +60,15 @@ class BufferPool:
     def discard(self, key: Key) -> None:
         slot = self._blocks.pop(key, None)
         if slot is not None:
+            keys = self._by_file[key[0]]
+            keys.discard(key)
+            if not keys:
+                del self._by_file[key[0]]
             self.nbytes -= len(slot[0])
             if slot[1]:
                 self.unread_bytes -= len(slot[0])
 
     def discard_file(self, file_id: int) -> None:
         """Forget every block of a file (it was rewritten or is gone): its buffers describe an old content."""
-        for key in [k for k in self._blocks if k[0] == file_id]:
+        for key in list(self._by_file.get(file_id, ())):
             self.discard(key)
