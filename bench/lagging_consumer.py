@@ -6,7 +6,8 @@ one queue each, small ConsumeQueue files so the queue's files seal and tier too.
 (posix object store, or Ceph RGW with --s3; small cache budget) and waited for until every sealed segment is tiered and the cache holds
 no more than its pinned pages. Then the consumer of topic 0 does what a broker serving a lagging pull does:
 
-  reads its ConsumeQueue files 200 units (4000 bytes) at a time, and for every 20-byte unit preads the CommitLog record it names
+  opens every CommitLog file (the broker keeps them mapped), reads its ConsumeQueue files 200 units (4000 bytes)
+  at a time, and for every 20-byte unit preads the CommitLog record it names
   (fadvise RANDOM on the CommitLog: page faults of the broker's mmap read around, they do not read a stream).
 
 Every record is checked against the native store. Figures: bytes the daemon fetched from the object store
@@ -72,6 +73,10 @@ def consume(mnt: Path, ref: Path, topic: str, seg: int) -> dict:
     fds: dict[int, tuple[int, int]] = {}  # CommitLog base -> (mount fd, reference fd)
     t0 = time.perf_counter()
     try:
+        for name in sorted(os.listdir(mnt / "commitlog")):  # all open, as the broker keeps its CommitLog mapped
+            mfd = os.open(mnt / "commitlog" / name, os.O_RDONLY)
+            os.posix_fadvise(mfd, 0, 0, os.POSIX_FADV_RANDOM)
+            fds[int(name)] = (mfd, os.open(ref / "commitlog" / name, os.O_RDONLY))
         for name in sorted(os.listdir(qdir)):
             fd = os.open(qdir / name, os.O_RDONLY)
             try:

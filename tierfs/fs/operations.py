@@ -463,6 +463,9 @@ class TierOperations(pyfuse3.Operations):
         else:
             await self._before_o_trunc(inode, flags)
             fd = self.hotdir.open(rel, self._backing_flags(flags))
+        t = self._tiered.get(inode) if self._tiered else None
+        if t is not None:  # a reader of a tiered file: the engine keeps its fetched buffers while it is open
+            self.engine.opened(fd, t)  # type: ignore[union-attr]
         return self._new_file_handle(inode, fd, rel)
 
     async def _before_o_trunc(self, inode: int, flags: int) -> None:

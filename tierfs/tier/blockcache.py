@@ -149,7 +149,12 @@ class BlockCache:
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
-        self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it read
+        self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
+
+    def opened(self, fh: int, e: Entry) -> None:
+        """A handle of a tiered file opened: the file has a reader (its buffers live until the last one closes,
+        and layout-aware prefetch may fill them)."""
+        self._stream_file[fh] = e.file_id
 
     def release_stream(self, fh: int) -> None:
         """A handle closed: its read-ahead state goes, and once no handle of that file reads it any more, so do
@@ -309,8 +314,7 @@ class BlockCache:
         next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
         coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
         holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
-        its CommitLog mapped) and has read from: their buffers live until the last such handle closes. No await
-        in here."""
+        its CommitLog mapped): their buffers live until the last handle closes. No await in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
         seg = self._commitlog_file_size(root)
