@@ -130,6 +130,19 @@ def write_data_file(path: Path, size: int, chunk: int = 1 << 20) -> None:
         os.close(fd)
 
 
+def copy_tree_in(src_root: Path, mnt: Path, chunk: int = 1 << 20) -> None:
+    """Write a tree through a mount like a writer that flushes (1 MiB writes, fsync per file)."""
+    for p in sorted(src_root.rglob("*")):
+        dst = mnt / p.relative_to(src_root)
+        if p.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+            continue
+        with open(p, "rb") as src, open(dst, "wb") as out:
+            shutil.copyfileobj(src, out, chunk)
+            out.flush()
+            os.fsync(out.fileno())
+
+
 def read_file_once(path: Path, chunk: int = 1 << 20) -> int:
     """Read a whole file sequentially (warm-up of lower layers); returns the bytes read."""
     buf = bytearray(chunk)

@@ -27,10 +27,14 @@ Before each tierfs measurement the segment must be evicted again: no resident bl
 what fits its budget) a resident size within cache.max_bytes that has stopped shrinking; the report gives the
 bytes resident at the start. If the mount's bdi read_ahead_kb is not mount.read_ahead_kb, it is re-applied and
 the report says so. The daemon can be profiled (--py-spy, --perf) or run from another tree (--tierfs-src).
+With --ab-src DIR a second mount runs the daemon from DIR (e.g. a checkout of main) on the same RGW (its own
+object prefix, same segment bytes) and is measured the same way in every repetition, alternating order: the
+report adds same-run ratios this tree / that tree (sequential MB/s, daemon CPU, random p50/p99).
 
     .venv/bin/python bench/cold_read.py                      # 1 GiB, defaults, about 3 minutes on 2 cores
     .venv/bin/python bench/cold_read.py --repeat 3 --json out.json
     .venv/bin/python bench/cold_read.py --size 256MiB -o readahead.max_blocks=128 --py-spy /tmp/prof
+    .venv/bin/python bench/cold_read.py --size 256MiB --no-rclone --ab-src /work/wt/base13 --repeat 3
 """
 
 from __future__ import annotations
@@ -368,6 +372,16 @@ def counters_delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a.get(k, 0) for k in b if isinstance(b[k], (int, float)) and not isinstance(b[k], bool)}
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """The daemon's peak resident set so far (VmHWM), in MB: the read-ahead buffers are bounded by
+    readahead.budget_bytes, and this shows it."""
+    with contextlib.suppress(OSError):
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                return round(int(ln.split()[1]) / 1024, 1)
+    return None
+
+
 def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | None, rate: int,
                    perf: Path | None = None) -> dict:
     _, resident = wait_evicted(mnt, settle=5.0)
@@ -381,6 +395,7 @@ def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | 
             stack.enter_context(C.perf_record(mnt.pid, perf))
         res = read_file_sequential(path, crcs, size)
     res["daemon_cpu_s"] = round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2)
+    res["daemon_peak_rss_mb"] = peak_rss_mb(mnt.pid)
     res["segment_resident_before"] = resident
     d = counters_delta(e0, engine_counters(mnt))
     res["engine"] = {k: d.get(k, 0) for k in ("reads_local", "reads_waited", "fetches", "fetch_bytes",
@@ -502,6 +517,16 @@ def summarize(reps: list[dict], with_rclone: bool, with_ceiling: bool) -> list[d
         rows.append({"metric": f"random 4 KiB read {q} vs boto3 4 KiB GET", "unit": "ms", "aim": "-",
                      **_pairs_stats([(r["rand"]["boto3"][f"{q}_ms"], r["rand"]["tierfs"][f"{q}_ms"])
                                      for r in reps])})
+    if "tierfs_b" in reps[0]["seq"]:  # same-run A/B: this tree vs the --ab-src tree
+        rows.append({"metric": "A/B seq read: this tree vs --ab-src tree", "unit": "MB/s", "aim": "-",
+                     **_pairs_stats([(r["seq"]["tierfs_b"]["MBps"], r["seq"]["tierfs"]["MBps"]) for r in reps])})
+        rows.append({"metric": "A/B daemon CPU of the seq read", "unit": "s", "aim": "-",
+                     **_pairs_stats([(r["seq"]["tierfs_b"]["daemon_cpu_s"], r["seq"]["tierfs"]["daemon_cpu_s"])
+                                     for r in reps])})
+        for q in ("p50", "p99"):
+            rows.append({"metric": f"A/B random 4 KiB read {q}", "unit": "ms", "aim": "-",
+                         **_pairs_stats([(r["rand_b"]["tierfs"][f"{q}_ms"], r["rand"]["tierfs"][f"{q}_ms"])
+                                         for r in reps])})
     shares = [r["seq"]["tierfs"]["local_share"] for r in reps]
     rows.append({"metric": "FUSE reads answered without waiting (seq)", "unit": "%", "baseline": None,
                  "tierfs": 100 * C.median(shares), "ratio": None, "ratio_min": 100 * min(shares),
@@ -543,9 +568,16 @@ def print_report(rows: list[dict], reps: list[dict], setup: dict, args: argparse
     b = last["seq"]["boto3"]
     print(f"  boto3 MB/s by part size: {', '.join(f'{p >> 20} MiB {v}' for p, v in b['by_part'].items())}; "
           f"client CPU of the best {b['client_cpu_s']} s")
-    print(f"  tierfs seq: {t['seconds']:.2f} s, daemon CPU {t['daemon_cpu_s']} s, engine {json.dumps(t['engine'])}, "
+    print(f"  tierfs seq: {t['seconds']:.2f} s, daemon CPU {t['daemon_cpu_s']} s, peak RSS "
+          f"{t.get('daemon_peak_rss_mb')} MB, engine {json.dumps(t['engine'])}, "
           f"page cache before {t['resident_before']}, segment bytes resident before {t['segment_resident_before']}")
     print(f"  tierfs seq FUSE: {C.format_stats_delta(t['fuse'])}")
+    if "tierfs_b" in last["seq"]:
+        tb = last["seq"]["tierfs_b"]
+        print(f"  --ab-src tierfs seq: {tb['seconds']:.2f} s, daemon CPU {tb['daemon_cpu_s']} s, peak RSS "
+              f"{tb.get('daemon_peak_rss_mb')} MB, engine "
+              f"{json.dumps(tb['engine'])}, segment bytes resident before {tb['segment_resident_before']}")
+        print(f"  --ab-src tierfs seq FUSE: {C.format_stats_delta(tb['fuse'])}")
     if "ceiling" in last["seq"]:
         c = last["seq"]["ceiling"]
         print(f"  ceiling (local copy) seq: {c['seconds']:.2f} s, daemon CPU {c['daemon_cpu_s']} s, FUSE: "
@@ -585,7 +617,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tierfs-src", metavar="DIR",
                     help="run the daemon from this source tree (prepended to PYTHONPATH), e.g. a patched copy, to "
                          "compare versions; default: the installed tierfs")
+    ap.add_argument("--ab-src", metavar="DIR",
+                    help="also mount a daemon from this source tree (e.g. a checkout of main) and measure it the "
+                         "same way in the same run: same-run A/B ratios")
     args = ap.parse_args(argv)
+    if args.ab_src and not (Path(args.ab_src) / "tierfs" / "__init__.py").is_file():
+        ap.error(f"--ab-src {args.ab_src}: no tierfs/ package in that directory")
     args.size = parse_size(args.size)
     args.parts = [parse_size(p) for p in args.part_sizes.split(",") if p.strip()]
     if args.size < 64 * MiB or args.size % PIECE:
@@ -622,7 +659,13 @@ def main(argv: list[str] | None = None) -> int:
               f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
               f"objectstore.addressing=path")
         opts = [BASE_OPTS, s3, *args.options]
-        with C.TierfsMount(base / "hot", base / "mnt", opts, tierfs_src=args.tierfs_src) as mnt:
+        with contextlib.ExitStack() as ab_stack, \
+                C.TierfsMount(base / "hot", base / "mnt", opts, tierfs_src=args.tierfs_src) as mnt:
+            mnt_b = None
+            if args.ab_src:
+                opts_b = [BASE_OPTS, s3.replace(f"s3://{bucket}/tierfs,", f"s3://{bucket}/tierfs-b,"), *args.options]
+                mnt_b = ab_stack.enter_context(C.TierfsMount(base / "hot-b", base / "mnt-b", opts_b,
+                                                             tierfs_src=args.ab_src))
             cfg = mnt.config()
             conc, chunk, block = (int(cfg["objectstore.max_concurrency"]), int(cfg["objectstore.chunk_bytes"]),
                                   int(cfg["cache.block_bytes"]))
@@ -636,8 +679,17 @@ def main(argv: list[str] | None = None) -> int:
                 dst.flush()
                 os.fsync(dst.fileno())
             setup["write_through_mount_s"] = round(time.perf_counter() - t, 1)
+            if mnt_b is not None:
+                check_readahead(mnt_b, int(cfg["mount.read_ahead_kb"]))
+                (mnt_b.mnt / "commitlog").mkdir()
+                with open(ref, "rb") as src, open(mnt_b.mnt / SEGMENT, "wb") as dst:
+                    shutil.copyfileobj(src, dst, MiB)
+                    dst.flush()
+                    os.fsync(dst.fileno())
             C.log(f"written in {setup['write_through_mount_s']} s; waiting for seal, upload, eviction...")
             setup["tier_and_evict_s"] = round(wait_evicted(mnt, timeout=900)[0], 1)
+            if mnt_b is not None:
+                wait_evicted(mnt_b, timeout=900)
             seg = segment_status(mnt)
             keys = [f"tierfs/{k}" for k in seg["objects"]]
             C.log(f"tiered as {len(keys)} objects and evicted in {setup['tier_and_evict_s']} s")
@@ -659,7 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                 rclone_conf(conf, rgw.endpoint_url, rgw.access_key, rgw.secret_key)
             for rep in range(args.repeat):
                 r: dict = {"concurrency": conc, "seq": {}}
-                order = ["tierfs", "boto3", "rclone", "ceiling"]
+                order = ["tierfs", "boto3", "rclone", "ceiling"] + (["tierfs_b"] if mnt_b is not None else [])
+                if mnt_b is not None and rep % 2:
+                    order = ["tierfs_b"] + order[:-1]  # the two daemons alternate who goes first
                 if rep % 2:
                     order.reverse()
                 for side in order:
@@ -667,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
                         prof = prof_dir / f"seq-rep{rep}.speedscope.json" if prof_dir else None
                         perf = perf_dir / f"seq-rep{rep}.perf.data" if perf_dir else None
                         r["seq"]["tierfs"] = run_tierfs_seq(mnt, crcs, size, prof, args.py_spy_rate, perf)
+                    elif side == "tierfs_b":
+                        prof = prof_dir / f"seq-rep{rep}-ab.speedscope.json" if prof_dir else None
+                        r["seq"]["tierfs_b"] = run_tierfs_seq(mnt_b, crcs, size, prof, args.py_spy_rate)
                     elif side == "boto3":
                         r["seq"]["boto3"] = run_boto3_seq(client, bucket, keys, chunk, size, args.parts, conc, crcs)
                     elif side == "rclone" and not args.no_rclone:
@@ -679,9 +736,14 @@ def main(argv: list[str] | None = None) -> int:
                         r["seq"]["ceiling"]["fuse"] = C.stats_delta(s0, mnt.stats())
                     if side in r["seq"]:
                         C.log(f"rep{rep} seq {side}: {r['seq'][side]['MBps']:.1f} MB/s"
-                              + (f" (local share {100 * r['seq'][side]['local_share']:.1f}%)" if side == "tierfs"
-                                 else ""))
+                              + (f" (local share {100 * r['seq'][side]['local_share']:.1f}%, daemon CPU "
+                                 f"{r['seq'][side]['daemon_cpu_s']} s)" if side.startswith("tierfs") else ""))
                 r["rand"] = run_random(mnt, client, bucket, keys, chunk, block, size, ref, args.rand_ops, rep)
+                if mnt_b is not None:
+                    r["rand_b"] = run_random(mnt_b, client, bucket, keys, chunk, block, size, ref, args.rand_ops,
+                                             rep)
+                    C.log(f"rep{rep} random 4 KiB p50/p99 ms --ab-src: {r['rand_b']['tierfs']['p50_ms']:.2f}/"
+                          f"{r['rand_b']['tierfs']['p99_ms']:.2f}")
                 C.log(f"rep{rep} random 4 KiB p50/p99 ms: tierfs {r['rand']['tierfs']['p50_ms']:.2f}/"
                       f"{r['rand']['tierfs']['p99_ms']:.2f}, boto3 {r['rand']['boto3']['p50_ms']:.2f}/"
                       f"{r['rand']['boto3']['p99_ms']:.2f}")
@@ -692,15 +754,17 @@ def main(argv: list[str] | None = None) -> int:
     if prof_dir:
         print("\ndaemon profiles during the tierfs sequential reads (py-spy, share of samples):")
         for rep, r in enumerate(reps):
-            pf = r["seq"]["tierfs"].get("profile")
-            if pf and Path(pf).exists():
+            for side in ("tierfs", "tierfs_b"):
+                pf = r["seq"].get(side, {}).get("profile")
+                if not pf or not Path(pf).exists():
+                    continue
                 s = C.summarize_speedscope(Path(pf), top=15)
-                r["seq"]["tierfs"]["profile_summary"] = s
-                print(f"  rep{rep} ({pf}, {s['samples']:.0f} samples)\n    self:")
+                r["seq"][side]["profile_summary"] = s
+                print(f"  rep{rep} {side} ({pf}, {s['samples']:.0f} samples)\n    self:")
                 for n, pct in s["self_pct"]:
                     print(f"      {pct:5.1f}%  {n}")
                 print("    inclusive:")
-                for n, pct in s["inclusive_pct"]:
+                for n, pct in s["inclusive_pct"][:8]:
                     print(f"      {pct:5.1f}%  {n}")
     if perf_dir:
         print("\ndaemon CPU by symbol during the tierfs sequential reads (perf, self time, kernel + user):")

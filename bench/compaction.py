@@ -518,15 +518,7 @@ def check_readahead(mnt: C.TierfsMount, want_kb: int) -> str:
 
 def copy_in(store: Store, mnt: Path) -> None:
     """Write the store through the mount like a writer that flushes (1 MiB writes, fsync per file)."""
-    for p in sorted(store.root.rglob("*")):
-        dst = mnt / p.relative_to(store.root)
-        if p.is_dir():
-            dst.mkdir(parents=True, exist_ok=True)
-            continue
-        with open(p, "rb") as src, open(dst, "wb") as out:
-            shutil.copyfileobj(src, out, MiB)
-            out.flush()
-            os.fsync(out.fileno())
+    C.copy_tree_in(store.root, mnt)
 
 
 # ---------------------------------------------------------------------------------------- 3: look-ups

@@ -28,6 +28,11 @@ median of the paired ratios, with its range.
     .venv/bin/python bench/hot_path.py --only c -o mount.read_ahead_kb=4096 --bdi strict_limit=0
     .venv/bin/python bench/hot_path.py --only c --py-spy /tmp/prof --perf /tmp/perf   # profile the daemon
     .venv/bin/python bench/hot_path.py --tierfs-src /tmp/snapshot   # daemon from another tree (A/B of versions)
+    .venv/bin/python bench/hot_path.py --ab-src /work/wt/base13 --repeat 3   # both trees in the same run
+
+With --ab-src DIR a second daemon from DIR is mounted too (its own hot dir, the c/d data file hard-linked into it)
+and every repetition runs each workload against it right after this tree's pair: the report adds the same-run
+ratio this tree / that tree (the median of the per-repetition ratios of the mount figures).
 """
 
 from __future__ import annotations
@@ -395,6 +400,27 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
     sys.stdout.flush()
 
 
+def print_ab(results: dict, results_b: dict, ab_src: str) -> None:
+    """Same-run A/B: this tree's mount figures over the --ab-src tree's, per repetition (each pair ran back to
+    back), the median and range of those ratios, and both trees' daemon CPU per unit of work."""
+    print(f"\nsame-run A/B, this tree / {ab_src} (mount figures; for d, latency: lower is better):")
+    table = []
+    for wl, reps in results.items():
+        keys = [("value", "p50")] + ([("p99_us", "p99")] if wl == "d" else [])
+        for key, label in keys:
+            ratios = [a["mount"][key] / b["mount"][key] for a, b in zip(reps, results_b[wl]) if b["mount"][key]]
+            table.append([f"{wl} {label if wl == 'd' else WORKLOADS[wl]}", reps[0]["mount"]["unit"] if key == "value"
+                          else "us", C.median(b["mount"][key] for b in results_b[wl]),
+                          C.median(a["mount"][key] for a in reps), f"{C.median(ratios):.2f}",
+                          f"{min(ratios):.2f}-{max(ratios):.2f}",
+                          C.median(b["mount"].get("daemon_cpu_per_work", float("nan")) for b in results_b[wl]),
+                          C.median(a["mount"].get("daemon_cpu_per_work", float("nan")) for a in reps)])
+    C.print_table(["workload", "unit", "--ab-src", "this tree", "this/ab", "range", "ab CPU/work", "this CPU/work"],
+                  table)
+    for wl, reps in results_b.items():
+        print(f"  {wl} --ab-src FUSE: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", help="base dir for the temp native/hot/mountpoint dirs (default $TMPDIR)")
@@ -415,6 +441,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tierfs-src", metavar="DIR",
                     help="run the daemon from this source tree (prepended to PYTHONPATH), e.g. a `git archive` "
                          "snapshot, to compare versions; default: the installed tierfs")
+    ap.add_argument("--ab-src", metavar="DIR",
+                    help="also mount a daemon from this tree and run every workload on it in the same run")
     ap.add_argument("--segment-size", type=int, default=GiB)
     ap.add_argument("--record-size", type=int, default=1024)
     ap.add_argument("--flush-interval", type=float, default=0.5)
@@ -478,16 +506,36 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 prev = rate
             files["mount"] = mntp / "data" / "readfile"
-        with C.TierfsMount(hot, mntp, args.options, tierfs_src=args.tierfs_src) as mnt:
+        files_b: dict[str, Path] = {}
+        results_b: dict[str, list[dict]] = {}
+        with contextlib.ExitStack() as ab_stack, \
+                C.TierfsMount(hot, mntp, args.options, tierfs_src=args.tierfs_src) as mnt:
+            mnt_b = None
+            if args.ab_src:
+                hot_b, mnt_bp = base / "hot-b", base / "mnt-b"
+                if files:
+                    (hot_b / "data").mkdir(parents=True)
+                    os.link(files["hot"], hot_b / "data" / "readfile")
+                    files_b = {**files, "hot_b": hot_b / "data" / "readfile", "mount": mnt_bp / "data" / "readfile"}
+                    files["mount_b"] = files_b["mount"]  # evicted too before this tree's runs
+                mnt_b = ab_stack.enter_context(C.TierfsMount(hot_b, mnt_bp, args.options, tierfs_src=args.ab_src))
+                if args.bdi:
+                    C.set_bdi(mnt_b, args.bdi)
             if args.bdi:
                 C.log(f"bdi settings applied: {C.set_bdi(mnt, args.bdi)}")
             tuning = mnt.kernel_tuning()
             C.log(f"mounted {hot} at {mntp} (daemon pid {mnt.pid}; {tuning})")
             for wl in args.only:
-                results[wl] = [run_pair(wl, args, env, mnt, native, files, prof_dir, rep) for rep in range(args.repeat)]
+                results[wl] = []
+                for rep in range(args.repeat):
+                    results[wl].append(run_pair(wl, args, env, mnt, native, files, prof_dir, rep))
+                    if mnt_b is not None:
+                        results_b.setdefault(wl, []).append(run_pair(wl, args, env, mnt_b, native, files_b, None, rep))
             tuning = mnt.kernel_tuning()
     rows = [summarize(wl, reps) for wl, reps in results.items()]
     print_report(rows, results, args.options, tuning, args.seconds, args.bdi)
+    if results_b:
+        print_ab(results, results_b, args.ab_src)
     if prof_dir:
         print("\ndaemon profiles (py-spy, share of samples):")
         for wl, reps in results.items():

@@ -3,7 +3,8 @@
 Every handler is wrapped by `_handler`, which times it into FsStats and turns failures into errno replies:
 an OSError becomes its own errno, anything else is logged with the path and answered EIO, so a bug in one
 request can never kill the daemon. Local file I/O runs inline on the trio loop (a thread hop costs more than a
-page-cache pread); fsync and directory scans, which can take milliseconds, go to worker threads.
+page-cache pread); a large read of an untiered file answers holes as zeros and leaves the loop only for what is
+not cached (tierfs.fs.localread); fsync and directory scans, which can take milliseconds, go to worker threads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tierfs.fs import control
 from tierfs.fs.control import ControlDir
 from tierfs.fs.hotdir import HotDir
 from tierfs.fs.inodes import ROOT, InodeTable
+from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
 from tierfs.store.paths import classify
 from tierfs.tier.engine import Engine
@@ -101,6 +103,7 @@ class TierOperations(pyfuse3.Operations):
         self.enable_writeback_cache = bool(config["mount.writeback_cache"])
         self.timeout = float(config["mount.attr_timeout"])
         self.stats = stats or FsStats()
+        self.local = LocalReader()
         self.inodes = InodeTable(os.lstat(self.hot).st_ino)
         self.control = ControlDir(os.getuid(), os.getgid())
         self._fh_inode: dict[int, int] = {}
@@ -466,6 +469,9 @@ class TierOperations(pyfuse3.Operations):
         else:
             await self._before_o_trunc(inode, flags)
             fd = self.hotdir.open(rel, self._backing_flags(flags))
+        t = self._tiered.get(inode) if self._tiered else None
+        if t is not None:  # a reader of a tiered file: the engine keeps its fetched buffers while it is open
+            self.engine.opened(fd, t)  # type: ignore[union-attr]
         return self._new_file_handle(inode, fd, rel)
 
     async def _before_o_trunc(self, inode: int, flags: int) -> None:
@@ -506,8 +512,13 @@ class TierOperations(pyfuse3.Operations):
         t = self._tiered.get(self._fh_inode.get(fh, 0)) if self._tiered else None
         if t is not None:
             data = await self.engine.read(t, self._fh_inode[fh], fh, off, size)  # type: ignore[union-attr]
-        else:
+        elif size < LARGE_READ:
             data = os.pread(fh, size, off)
+        else:  # not tiered, checked with no await before its hole probe: its holes are real holes
+            data = await self.local.pread(fh, size, off)
+            t = self._tiered.get(self._fh_inode.get(fh, 0)) if self._tiered else None
+            if t is not None:  # tiered (and maybe evicted) while a thread read it: the engine answers
+                data = await self.engine.read(t, self._fh_inode[fh], fh, off, size)  # type: ignore[union-attr]
         self.stats.bytes_read += len(data)
         return data
 

@@ -115,6 +115,8 @@ def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with
         "statfs_capacity_bytes": blocks * sv.f_frsize,
         "statfs_available_bytes": avail * sv.f_frsize,
         "bytes_read": ops.stats.bytes_read,
+        "bytes_read_from_holes": ops.local.bytes_from_holes,
+        "reads_threaded": ops.local.reads_threaded,
         "bytes_written": ops.stats.bytes_written,
         "totals": totals(ops.engine),
         "compaction": ops.engine.compactor.status() if ops.engine else {"running": None, "last": []},

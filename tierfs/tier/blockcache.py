@@ -1,19 +1,27 @@
 """The block cache: serves reads of tiered segments and makes them writable again (DESIGN §7, §10).
 
 A tiered segment keeps its hot file at its true size, with holes where blocks were evicted; the entry's resident
-bitmap says which blocks are real. A read of a non-resident block starts a ranged GET (one per run of blocks
-inside one object, raw chunk or lz4c), checks each block's crc32c, writes it into the hole and serves the read
-from the hot file. Sequential readers get read-ahead (tierfs.tier.readahead) within `readahead.budget_bytes`.
+bitmap says which blocks are real. A read of a block that is neither resident nor in memory starts a ranged GET
+(one per run of blocks inside one object, raw chunk or lz4c) and checks each block's crc32c. Verified blocks land
+in a bounded pool of buffers (tierfs.tier.bufferpool, within `readahead.budget_bytes`) and the FUSE reply is cut
+from there: a cold read never waits for the disk. Writing blocks into the hot file (the local cache) happens after,
+in a worker thread, and only where the cache budget wants them kept: blocks a reader asked for always (the evictor
+keeps the budget by LRU), the blocks of a sequential stream (prefetched, or asked for by a scan) only while
+the cache is below its low watermark, so a large scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
 A write or truncate of a tiered segment first fetches what it keeps and turns the file HOT at a new generation.
 
-Concurrency rule: everything that checks residency and then touches hot-file bytes (pread, pwrite of a fetched
-block) does so with no `await` in between, so trio's cooperative scheduling makes it atomic.
+Concurrency rules: everything that checks residency and then touches hot-file bytes on the trio thread (pread,
+an inline install) does so with no `await` in between, so trio's cooperative scheduling makes it atomic. A block
+being installed by a worker thread is in `installing` until its bit is set: the evictor never punches it, and a
+rewrite waits for every install of its file (`_installs_done`) and allows no new one, so no late install can land
+over new bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -22,8 +30,10 @@ import trio
 
 from tierfs import failpoints
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
-from tierfs.store.paths import Kind
+from tierfs.store.consumequeue import UNIT_SIZE as CQ_UNIT
+from tierfs.store.paths import Kind, split_root
 from tierfs.tier import layout, lz4c
+from tierfs.tier.bufferpool import BufferPool
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
@@ -35,6 +45,43 @@ log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
 PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
+NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets no generic read-ahead this long
+NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
+_CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
+_PRE_BLANK_SIZE = (1 << 31) - 1
+INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
+
+
+def _pwrite_blocks(fd: int, data: bytes, todo: list[tuple[int, int, int]], block_bytes: int) -> None:
+    """Blocking: write (block, offset in data, length) pieces of fetched data at their place in the file."""
+    mv = memoryview(data)
+    for b, pos, ln in todo:
+        os.pwrite(fd, mv[pos:pos + ln], b * block_bytes)
+
+
+def first_bad_block(first: int, data: bytes, crcs: list[int], lens: list[int]) -> int | None:
+    """The first block of `data` (blocks first, first+1, ... of lengths `lens`) that fails its crc32c, or None."""
+    mv = memoryview(data)
+    pos = 0
+    for i, (crc, ln) in enumerate(zip(crcs, lens)):
+        if len(data) < pos + ln or crc32c.crc32c(mv[pos:pos + ln]) != crc:
+            return first + i
+        pos += ln
+    return None
+
+
+def _get_checked(store: ObjectStore, key: str, start: int, length: int, first: int, crcs: list[int],
+                 lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: one ranged GET of a raw chunk object, and its blocks' crc32c check."""
+    data = store.get_range(key, start, length)
+    return data, first_bad_block(first, data, crcs, lens)
+
+
+def _decode_checked(footer: "lz4c.Footer", first: int, n: int, packed: bytes, crcs: list[int],
+                    lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: decompress the lz4 blocks of an lz4c object's range, and check their crc32c."""
+    data = lz4c.decode_blocks(footer, first, n, packed)
+    return data, first_bad_block(first, data, crcs, lens)
 
 
 def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
@@ -44,6 +91,11 @@ def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
     if e.kind in (Kind.CONSUMEQUEUE.value, Kind.BATCHCONSUMEQUEUE.value):
         out.append(((e.size - 1) // PAGE * PAGE, e.size))
     return out
+
+
+def in_pinned(e: Entry, off: int, end: int) -> bool:
+    """Does [off, end) lie inside one pinned range (a page that never leaves the hot file)?"""
+    return any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e))
 
 
 def block_runs(e: Entry, blocks: list[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -79,19 +131,33 @@ class BlockCache:
         self.streams: dict[int, ReadAhead] = {}  # read-ahead state by FUSE file handle
         self.footers: dict[str, lz4c.Footer] = {}  # lz4c block tables by object key
         self.prefetch_inflight = 0
+        self.pool = BufferPool(int(engine.config["readahead.budget_bytes"]))  # verified blocks, replies cut here
+        self.installing: set[tuple[int, int, int]] = set()  # blocks a worker thread is writing into the hot file
+        self.installing_bytes = 0
+        self._installs: dict[int, int] = {}  # file id -> installs in flight
+        self._install_done = trio.Event()
+        self._frozen: set[int] = set()  # file ids being rewritten: no install may start
+        self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
+        self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
+        self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
+        self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
+
+    def opened(self, fh: int, e: Entry) -> None:
+        """A handle of a tiered file opened: the file has a reader (its buffers live until the last one closes,
+        and layout-aware prefetch may fill them)."""
+        self._stream_file[fh] = e.file_id
 
     def release_stream(self, fh: int) -> None:
+        """A handle closed: its read-ahead state goes, and once no handle of that file reads it any more, so do
+        the file's buffers in the pool (what a reader left unread is not kept in memory for nobody)."""
         self.streams.pop(fh, None)
-
-    def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
-        # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
-        if not self.eng.read_only and any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e)):
-            return []
-        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
+        fid = self._stream_file.pop(fh, None)
+        if fid is not None and fid not in self._stream_file.values():
+            self.pool.discard_file(fid)
 
     # ------------------------------------------------------------------ reads
 
-    async def read(self, e: Entry, ino: int, fh: int, off: int, size: int) -> bytes:
+    async def read(self, e: Entry, ino: int, fh: int, off: int, size: int) -> bytes | memoryview:
         eng = self.eng
         end = min(off + size, e.size)
         if off >= end:
@@ -102,30 +168,84 @@ class BlockCache:
             c = eng.config
             stream = self.streams[fh] = ReadAhead(int(c["readahead.initial_blocks"]), int(c["readahead.batch_blocks"]),
                                                   int(c["readahead.max_blocks"]), tolerance=e.block_bytes)
+            self._stream_file[fh] = e.file_id
         window = stream.on_read(off, end)
+        if window and self._named and time.monotonic() - self._named.get(e.file_id, -60.0) < NAMED_HOLD_SECONDS:
+            window = 0  # a consumer's records, named by its ConsumeQueue and prefetched: no blind read-ahead
         waited = False
         deadline = trio.current_time() + float(eng.config["objectstore.read_timeout_seconds"])
+        bb = e.block_bytes
         for _ in range(8):
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
-            missing = self._needs_fetch(e, off, end)
+            missing = self._missing(e, off, end)
             if not missing:
-                for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1):
+                data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
+                for b in range(off // bb, (end - 1) // bb + 1):
                     stream.consumed(b)
                 if window:
-                    self._prefetch(e, stream, (end - 1) // e.block_bytes + 1, window)
+                    self._prefetch(e, stream, (end - 1) // bb + 1, window)
+                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT and not in_pinned(e, off, end):
+                    self._prefetch_named(e, data, off)  # not a peek at a pinned page (broker start, cleaning)
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
                     eng.stats.reads_local += 1
-                return os.pread(eng.fd(e), end - off, off)  # no await since the residency check
+                return data
             waited = True
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
-            await self._ensure(e, missing, deadline)
+            await self._ensure(e, missing, deadline, scan=window > 0)
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
 
-    async def _ensure(self, e: Entry, blocks: list[int], deadline: float) -> None:
+    def _missing(self, e: Entry, off: int, end: int) -> list[int]:
+        """Blocks of [off, end) that are neither in memory nor resident (a pinned page needs none)."""
+        if not self.eng.read_only and in_pinned(e, off, end):
+            return []
+        pool, fid, gen = self.pool, e.file_id, e.generation
+        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
+                if not e.is_resident(b) and (fid, gen, b) not in pool]
+
+    def _cut(self, e: Entry, off: int, end: int, sequential: bool) -> bytes | memoryview:
+        """The reply for [off, end), nothing missing: slices of pooled buffers, preads of resident runs (one per
+        run). A sequential reader is done with a block once it read to its end: the buffer goes. No await."""
+        eng, pool, bb = self.eng, self.pool, e.block_bytes
+        parts: list[bytes | memoryview] = []
+        run_lo = run_hi = off  # a run of resident bytes not read yet
+        for b in range(off // bb, (end - 1) // bb + 1):
+            b0 = b * bb
+            b1 = b0 + e.block_len(b)
+            lo, hi = max(off, b0), min(end, b1)
+            key = (e.file_id, e.generation, b)
+            mv = pool.get(key)
+            if mv is None:  # resident (or a pinned page)
+                if run_hi != lo:
+                    run_lo = lo
+                run_hi = hi
+                continue
+            if run_hi > run_lo:
+                parts.append(os.pread(eng.fd(e), run_hi - run_lo, run_lo))
+            run_lo = run_hi = hi
+            parts.append(mv[lo - b0:hi - b0])
+            if sequential and hi == b1:
+                pool.discard(key)
+        if run_hi > run_lo:
+            parts.append(os.pread(eng.fd(e), run_hi - run_lo, run_lo))
+        if len(parts) == 1:
+            if isinstance(parts[0], memoryview):
+                eng.stats.reads_from_memory += 1
+            return parts[0]
+        eng.stats.reads_from_memory += 1
+        return b"".join(parts)
+
+    def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
+        """Blocks of [off, end) not resident in the hot file (what a rewrite needs there, pooled or not)."""
+        # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
+        if not self.eng.read_only and in_pinned(e, off, end):
+            return []
+        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
+
+    async def _ensure(self, e: Entry, blocks: list[int], deadline: float, scan: bool = False) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
         error a reader gets is the one of the fetch it waited for."""
         fetches: dict[int, Fetch] = {}
@@ -137,7 +257,7 @@ class BlockCache:
             else:
                 todo.append(b)
         for first, n in block_runs(e, todo, 8):
-            f = self._start_fetch(e, first, n, prefetch=False)
+            f = self._start_fetch(e, first, n, prefetch=False, scan=scan)
             fetches[id(f)] = f
         timeout = self.eng.config["objectstore.read_timeout_seconds"]
         if any(f.gave_up for f in fetches.values()):
@@ -155,11 +275,11 @@ class BlockCache:
             if f.error:
                 raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool) -> Fetch:
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool) -> Fetch:
         f = Fetch()
         for b in range(first, first + n):
             self.inflight[(e.file_id, e.generation, b)] = f
-        self.eng.start_soon(self._fetch, e, first, n, f, prefetch)
+        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan)
         return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
@@ -168,34 +288,105 @@ class BlockCache:
         # each GET brings a whole group (PREFETCH_GROUP_BYTES) instead of one block per read.
         group = max(1, PREFETCH_GROUP_BYTES // e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
+        fid, gen, pool = e.file_id, e.generation, self.pool
         want = [b for b in range(start, hi)
-                if not e.is_resident(b) and (e.file_id, e.generation, b) not in self.inflight]
+                if not e.is_resident(b) and (fid, gen, b) not in self.inflight and (fid, gen, b) not in pool]
         for first, n in block_runs(e, want, group):
             nbytes = n * e.block_bytes
-            if self.prefetch_inflight + nbytes > budget:
+            # what is in flight plus what arrived and is not read yet: a reader slower than the store stops it
+            if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                 return
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
-            self._start_fetch(e, first, n, prefetch=True)
+            self._start_fetch(e, first, n, prefetch=True, scan=True)
+
+    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
+        """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
+        next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
+        coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
+        holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
+        its CommitLog mapped): their buffers live until the last handle closes. No await in here."""
+        eng = self.eng
+        root = split_root(cq.path)[0]
+        seg = self._commitlog_file_size(root)
+        if not seg:
+            return
+        prefix = f"{root}/commitlog/" if root else "commitlog/"
+        mv = memoryview(data)
+        start = -off % CQ_UNIT
+        stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
+        reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
+        want: dict[int, tuple[Entry, list[int]]] = {}
+        last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
+        for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
+            if phys < 0 or size <= 0:
+                break  # the end of the queue's data
+            if size == _PRE_BLANK_SIZE:
+                continue
+            base = phys - phys % seg
+            c = eng.entries.get(f"{prefix}{base:020d}")
+            if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
+                continue  # local (or unknown, or no reader has it open): nothing to fetch
+            bb = c.block_bytes
+            rel = phys - base
+            slot = want.get(c.file_id)
+            if slot is None:
+                slot = want[c.file_id] = (c, [])
+            for b in range(rel // bb, min(rel + size - 1, c.size - 1) // bb + 1):
+                if (c.file_id, b) != last:
+                    slot[1].append(b)
+                    last = (c.file_id, b)
+        budget = int(eng.config["readahead.budget_bytes"])
+        now = time.monotonic()
+        if len(self._named) > 1024:
+            self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
+        for c, blocks in want.values():
+            self._named[c.file_id] = now
+            fid, gen, pool = c.file_id, c.generation, self.pool
+            todo = [b for b in blocks if not c.is_resident(b) and (fid, gen, b) not in self.inflight
+                    and (fid, gen, b) not in pool]
+            for first, n in block_runs(c, todo, max(1, PREFETCH_GROUP_BYTES // c.block_bytes)):
+                nbytes = n * c.block_bytes
+                if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
+                    return
+                self.prefetch_inflight += nbytes
+                eng.stats.named_prefetch_bytes += sum(c.block_len(b) for b in range(first, first + n))
+                self._start_fetch(c, first, n, prefetch=True, scan=True)
+
+    def _commitlog_file_size(self, root: str) -> int:
+        """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
+        tiered CommitLog entry; looked up again at most every 10 s while none is known."""
+        size, when = self._commitlog_size.get(root, (0, 0.0))
+        now = time.monotonic()
+        if size or now - when < 10.0:
+            return size
+        for c in self.eng.tiered.values():
+            if c.kind == Kind.COMMITLOG.value and split_root(c.path)[0] == root:
+                size = c.size
+                break
+        self._commitlog_size[root] = (size, now)
+        return size
 
     @staticmethod
     def _object_of(e: Entry, first: int) -> str:
         return e.objects[0] if e.format == "lz4c" else e.objects[layout.raw_chunk_of(first, e.chunk_bytes,
                                                                                     e.block_bytes)[0]]
 
-    async def _read_blocks(self, e: Entry, first: int, n: int) -> bytes:
-        """The content of blocks [first, first+n) from the object store: one ranged GET of a raw chunk object,
-        or of the covering lz4 blocks of an lz4c object (decompressed and checked off the trio loop)."""
+    async def _read_blocks(self, e: Entry, first: int, n: int) -> tuple[bytes, int | None]:
+        """The content of blocks [first, first+n) from the object store, and the first block that fails its
+        crc32c (None: all good): one ranged GET of a raw chunk object, or of the covering lz4 blocks of an lz4c
+        object. GET, decompression and the check all run in the worker thread, off the trio loop."""
         store = self.eng.store
         key = self._object_of(e, first)
+        crcs = e.block_crcs[first:first + n]
+        lens = [e.block_len(b) for b in range(first, first + n)]
         if e.format == "lz4c":
             footer = await self._footer(key)
             off, length = lz4c.block_span(footer, first, n)
             packed = await self.eng.io(store.get_range, key, off, length)
-            return await trio.to_thread.run_sync(lz4c.decode_blocks, footer, first, n, packed)
+            return await trio.to_thread.run_sync(_decode_checked, footer, first, n, packed, crcs, lens)
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
-        length = sum(e.block_len(b) for b in range(first, first + n))
-        return await self.eng.io(store.get_range, key, start, length)
+        return await self.eng.io(_get_checked, store, key, start, sum(lens), first, crcs, lens)
 
     async def _footer(self, key: str) -> "lz4c.Footer":
         """An lz4c object's block table, fetched once (trailer, then footer) and kept in memory."""
@@ -208,17 +399,18 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool) -> None:
+    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool) -> None:
         stats = self.eng.stats
         gen = e.generation
         key = self._object_of(e, first)
         error = None
         t0 = time.monotonic()
         e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
+        prefetch_counted = prefetch
         try:
             for attempt in (1, 2):
                 try:
-                    data = await self._read_blocks(e, first, n)
+                    data, bad = await self._read_blocks(e, first, n)
                 except lz4c.Lz4cError as err:
                     stats.corrupt_objects += 1
                     error = f"object {key} of {e.path} is corrupt: {err}"
@@ -232,9 +424,11 @@ class BlockCache:
                     error = f"object {key} of {e.path}: {err}"
                     self.eng.store_down_since = self.eng.store_down_since or time.time()
                     break
-                bad = self._verify_blocks(e, first, n, data)
                 if bad is None:
-                    self._install_blocks(e, gen, first, n, data)
+                    if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
+                        self.prefetch_inflight -= n * e.block_bytes
+                        prefetch_counted = False
+                    self._land(e, gen, first, n, data, prefetch, scan)
                     stats.fetches += 1
                     stats.fetch_bytes += len(data)
                     self.eng.observe("download", time.monotonic() - t0, len(data))
@@ -250,7 +444,7 @@ class BlockCache:
             log.exception("fetch failed")
         finally:
             e.pins -= 1
-            if prefetch:
+            if prefetch_counted:
                 self.prefetch_inflight -= n * e.block_bytes
             if error:
                 stats.fetch_errors += 1
@@ -263,32 +457,105 @@ class BlockCache:
             fetch.error = None if prefetch else error
             fetch.done.set()
 
-    @staticmethod
-    def _verify_blocks(e: Entry, first: int, n: int, data: bytes) -> int | None:
-        mv = memoryview(data)
-        pos = 0
-        for b in range(first, first + n):
-            ln = e.block_len(b)
-            if len(data) < pos + ln or crc32c.crc32c(mv[pos:pos + ln]) != e.block_crcs[b]:
-                return b
-            pos += ln
-        return None
-
-    def _install_blocks(self, e: Entry, gen: int, first: int, n: int, data: bytes) -> None:
-        """Write fetched blocks into the holes, unless the file changed meanwhile. No await in here."""
+    def _same(self, e: Entry, gen: int) -> bool:
+        """Is `e` still the live tiered entry of its inode, at generation `gen`?"""
         eng = self.eng
-        if e.state is not State.TIERED or e.generation != gen or not eng.is_live(e) or eng.tiered.get(e.ino) is not e:
+        return e.state is State.TIERED and e.generation == gen and eng.is_live(e) and eng.tiered.get(e.ino) is e
+
+    def _land(self, e: Entry, gen: int, first: int, n: int, data: bytes, prefetch: bool, scan: bool) -> None:
+        """Verified blocks arrive: into the pool (readers are answered from there), and into the hot file in a
+        worker thread when the cache budget wants them kept. No await in here."""
+        if not self._same(e, gen):
             return
-        fd = eng.fd(e)
-        pos = 0
+        fid = e.file_id
         mv = memoryview(data)
+        todo: list[tuple[int, int, int]] = []
+        pos = 0
         for b in range(first, first + n):
             ln = e.block_len(b)
+            self.pool.put((fid, gen, b), mv[pos:pos + ln], unread=prefetch, reserve=self.prefetch_inflight)
+            if not e.is_resident(b) and (fid, gen, b) not in self.installing:
+                todo.append((b, pos, ln))
+            pos += ln
+        if todo and fid in self._frozen:  # being rewritten: it needs every block in the hot file, now
+            fd = self.eng.fd(e)
+            for b, p, ln in todo:
+                os.pwrite(fd, mv[p:p + ln], b * e.block_bytes)
+                e.set_resident(b, True)
+                self.eng.cache_bytes += ln
+            self.eng.evictor.residency_changed(e)
+        elif todo and self._keep_locally(sum(t[2] for t in todo), scan):
+            keys = [(fid, gen, b) for b, _, _ in todo]
+            self.installing.update(keys)
+            self.installing_bytes += sum(t[2] for t in todo)
+            self._installs[fid] = self._installs.get(fid, 0) + 1
+            self.eng.start_soon(self._install, e, gen, todo, data)
+        elif todo:
+            self.eng.stats.memory_only_bytes += sum(t[2] for t in todo)
+
+    def _keep_locally(self, nbytes: int, scan: bool) -> bool:
+        """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the
+        budget, least recently used first); a sequential stream's (prefetched, or read by a scan) only while the
+        cache stays below its low watermark, so a scan of more than the budget neither evicts other files' blocks
+        nor its own just-kept ones."""
+        if not scan:
+            return True
+        cfg = self.eng.config
+        limit = int(cfg["cache.max_bytes"]) * float(cfg["cache.low_watermark"])
+        return self.eng.cache_bytes + self.installing_bytes + nbytes <= limit
+
+    async def _install(self, e: Entry, gen: int, todo: list[tuple[int, int, int]], data: bytes) -> None:
+        """Write fetched blocks into the hot file's holes in a worker thread, through a dup of the engine's fd
+        (the engine may close its own meanwhile). The bits are set after the pwrite returned, and only if the
+        file is still this tiered generation."""
+        eng = self.eng
+        fid = e.file_id
+        keys = [(fid, gen, b) for b, _, _ in todo]
+        nbytes = sum(t[2] for t in todo)
+        ok = False
+        try:
+            fd = os.dup(eng.fd(e))
+            try:
+                await trio.to_thread.run_sync(_pwrite_blocks, fd, data, todo, e.block_bytes,
+                                              limiter=self._install_limiter)
+                ok = True
+            finally:
+                os.close(fd)
+        except (OSError, ReadFailed) as err:
+            log.warning("keeping fetched blocks of %s locally failed (%s); they are fetched again when needed",
+                        e.path, err)
+        finally:
+            self.installing.difference_update(keys)
+            self.installing_bytes -= nbytes
+            left = self._installs.pop(fid) - 1
+            if left:
+                self._installs[fid] = left
+            self._install_done.set()
+            self._install_done = trio.Event()
+        if not ok or not self._same(e, gen):
+            return
+        for b, _, ln in todo:
             if not e.is_resident(b):
-                os.pwrite(fd, mv[pos:pos + ln], b * e.block_bytes)
                 e.set_resident(b, True)
                 eng.cache_bytes += ln
-            pos += ln
+        eng.stats.install_bytes += nbytes
+        eng.evictor.residency_changed(e)
+
+    async def _installs_done(self, file_id: int) -> None:
+        while self._installs.get(file_id):
+            await self._install_done.wait()
+
+    def _install_inline(self, e: Entry, blocks: list[int]) -> None:
+        """Write pooled blocks into the hot file now, on the trio thread (a rewrite needs them there). No await."""
+        eng = self.eng
+        fd = eng.fd(e)
+        for b in blocks:
+            mv = self.pool.get((e.file_id, e.generation, b))
+            if mv is None or e.is_resident(b):
+                continue
+            os.pwrite(fd, mv, b * e.block_bytes)
+            e.set_resident(b, True)
+            eng.cache_bytes += len(mv)
         eng.evictor.residency_changed(e)
 
     # ------------------------------------------------------------------ writes into tiered segments
@@ -332,8 +599,17 @@ class BlockCache:
         fetched while this waits for the disk or the catalog."""
         eng = self.eng
         log.info("%s of tiered %s: re-materialising (gen %d -> new)", why, e.path, e.generation)
+        self._frozen.add(e.file_id)  # no new install of old bytes may start; those in flight are waited for
+        try:
+            await self._rematerialise_frozen(e, ino, keep, why, deadline)
+        finally:
+            self._frozen.discard(e.file_id)
+
+    async def _rematerialise_frozen(self, e: Entry, ino: int, keep: int, why: str, deadline: float) -> None:
+        eng = self.eng
         if keep and not await self._make_resident(e, 0, keep, deadline + 600):
             raise ReadFailed(f"{e.path}: could not re-materialise for a {why}")
+        await self._installs_done(e.file_id)
         if eng.tiered.get(ino) is not e:
             return  # another writer re-materialised it meanwhile
         fd = eng.fd(e)
@@ -359,6 +635,7 @@ class BlockCache:
             eng.cache_bytes -= e.resident_bytes()
         eng.become(e, row)
         eng.evictor.forget(e.file_id)
+        self.pool.discard_file(e.file_id)
         for k in old_keys:
             self.footers.pop(k, None)
         eng.stats.rewrites += 1
@@ -371,6 +648,9 @@ class BlockCache:
             if tiered.get(e.ino) is not e:
                 return True
             missing = self._needs_fetch(e, off, end)
+            if missing:
+                self._install_inline(e, missing)  # those already in memory, with no await since the check
+                missing = self._needs_fetch(e, off, end)
             if not missing:
                 return True
             await self._ensure(e, missing, deadline)

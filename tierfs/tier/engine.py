@@ -330,6 +330,9 @@ class Engine:
     async def before_truncate(self, e: Entry, ino: int, new_size: int) -> None:
         await self.cache.before_truncate(e, ino, new_size)
 
+    def opened(self, fh: int, e: Entry) -> None:
+        self.cache.opened(fh, e)
+
     def release_stream(self, fh: int) -> None:
         self.cache.release_stream(fh)
 

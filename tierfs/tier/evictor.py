@@ -114,15 +114,17 @@ class Evictor:
 
     def _punch(self, e: Entry, blocks: list[int]) -> None:
         """Punch the given non-resident blocks out of the hot file through the file's own fd, keeping pinned
-        pages. A block fetched again (or being fetched) meanwhile is left alone. No await in here."""
+        pages. A block fetched again (or being fetched, or being written in by an install) meanwhile is left
+        alone. No await in here."""
         eng = self.eng
-        inflight, streams = eng.cache.inflight, eng.cache.streams
+        inflight, installing, streams = eng.cache.inflight, eng.cache.installing, eng.cache.streams
         fd = eng.fd(e)
         pins = pinned_ranges(e) if not eng.read_only else []
         freed = 0
         for first, n in block_runs(e, blocks, 1 << 30):
             for b in range(first, first + n):
-                if e.is_resident(b) or (e.file_id, e.generation, b) in inflight:
+                key = (e.file_id, e.generation, b)
+                if e.is_resident(b) or key in inflight or key in installing:
                     continue
                 lo, hi = b * e.block_bytes, b * e.block_bytes + e.block_len(b)
                 cuts = [(lo, hi)]

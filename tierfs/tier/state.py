@@ -63,6 +63,10 @@ class EngineStats:
     evicted_blocks: int = 0
     reads_local: int = 0
     reads_waited: int = 0
+    reads_from_memory: int = 0  # reads answered (at least partly) from fetched buffers, not the hot file
+    install_bytes: int = 0  # fetched bytes written into hot files (kept in the local cache)
+    memory_only_bytes: int = 0  # fetched bytes served from memory only (a scan beyond the cache budget)
+    named_prefetch_bytes: int = 0  # prefetched because a tiered ConsumeQueue page named them (layout-aware)
     prefetch_bytes: int = 0
     rewrites: int = 0
     identical_rewrites: int = 0

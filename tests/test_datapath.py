@@ -1,0 +1,154 @@
+"""The data path on real mounts: cold reads served from fetched buffers without thrashing the local cache, and
+holes of untiered files answered without reading the disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mountutil import evict, wait_for
+from test_store_mount import PRODUCER
+from test_tiering import copy_in
+
+MiB = 1 << 20
+CAP = 2 * MiB
+OPTS = (f"tiering.enabled=true,cache.max_bytes={CAP},cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB,"
+        "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,broker.max_hash_slot_num=500,"
+        "broker.max_index_num=2000,delete.grace_seconds=0,readahead.max_blocks=16")
+A, B = "commitlog/00000000000000000000", f"commitlog/{4 * MiB:020d}"
+
+
+def status(m) -> dict:
+    return json.loads((m.ctl / "status.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def store_4mib(tmp_path_factory) -> Path:
+    """A store with 4 MiB CommitLog segments (twice the cache budget), written natively by the example producer."""
+    ref = tmp_path_factory.mktemp("ref4")
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(4 * MiB), "--cq-size",
+                        "60000", "--index-slots", "500", "--index-items", "2000", "--messages", "9000",
+                        "--body-size", "1000", "--topics", "1", "--queues", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return ref
+
+
+def test_scan_larger_than_the_cache_is_served_from_memory_and_evicts_nothing(mount_store, store_4mib):
+    m = mount_store(options=[OPTS])
+    copy_in(store_4mib, m.mnt)
+
+    def settled() -> bool:
+        st = status(m)
+        files = {f["path"]: f for f in st["files"]}
+        return (all(files.get(p, {}).get("state") == "tiered" for p in (A, B))
+                and st["totals"].get("upload_backlog_files", 0) == 0 and st["totals"]["cache_bytes"] <= 0.9 * CAP)
+    wait_for(settled, timeout=90, what="both segments tiered, uploads done, cache under its high watermark")
+
+    # a random reader of A: its block is fetched and kept locally (the evictor keeps the budget by LRU)
+    ref_a = (store_4mib / A).read_bytes()
+    fd = os.open(m.mnt / A, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert os.pread(fd, 4096, 2 * MiB + 8192) == ref_a[2 * MiB + 8192:2 * MiB + 12288]
+    finally:
+        os.close(fd)
+    before = status(m)["totals"]["engine"]
+
+    # a scan of B, twice the cache budget: every byte right, served from memory, nothing evicted for it
+    evict(m.mnt / B)
+    with open(m.mnt / B, "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(MiB), b""))
+    assert got == (store_4mib / B).read_bytes()
+    st = status(m)
+    eng = st["totals"]["engine"]
+    assert eng["reads_from_memory"] > before["reads_from_memory"]
+    assert eng["memory_only_bytes"] - before["memory_only_bytes"] >= 2 * MiB  # most of the scan was not kept
+    assert st["totals"]["cache_bytes"] <= 0.9 * CAP  # never above the evictor's high watermark...
+    assert eng["evicted_bytes"] == before["evicted_bytes"]  # ...so nothing was evicted for the scan
+    # the scan again: still right (from memory, the kept part, or fetched again)
+    evict(m.mnt / B)
+    assert (m.mnt / B).read_bytes() == (store_4mib / B).read_bytes()
+    assert m.alive()
+
+
+def test_holes_of_an_untiered_file_are_answered_without_reading_them(mounted, tmp_path):
+    """A preallocated file (ftruncate) with data in the middle, as a fresh mmap'd CommitLog segment is: large reads
+    of its holes are answered as zeros without the disk, and every byte still comes back right."""
+    m = mounted
+    data = os.urandom(3 * MiB + 12345)
+    p = m.mnt / "prealloc.dat"
+    with open(p, "wb") as f:
+        f.truncate(32 * MiB)
+        f.seek(8 * MiB + 4096)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    evict(p)
+    evict(m.hot / "prealloc.dat")
+    with open(p, "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(MiB), b""))
+    want = bytes(8 * MiB + 4096) + data + bytes(32 * MiB - 8 * MiB - 4096 - len(data))
+    assert len(got) == len(want) and got == want
+    assert status(m)["bytes_read_from_holes"] >= 20 * MiB
+
+
+def test_consumequeue_page_prefetches_the_commitlog_records_it_names(mount_store, tmp_path):
+    """Layout-aware prefetch: reading a tiered ConsumeQueue (beyond its pinned first and last pages, which the broker
+    peeks at on start and when cleaning) fetches the evicted CommitLog blocks its units name, so the consumer's
+    record reads that follow are answered from memory without waiting on the store."""
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(MiB), "--cq-size", "20000",
+                        "--index-slots", "500", "--index-items", "2000", "--messages", "4000", "--body-size", "1000",
+                        "--topics", "4", "--queues", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = mount_store(options=[OPTS.replace(f"cache.max_bytes={CAP}", "cache.max_bytes=256KiB")])
+    copy_in(ref, m.mnt)
+    topic = sorted(p.name for p in (ref / "consumequeue").iterdir())[0]
+    cq = f"consumequeue/{topic}/0/{sorted(os.listdir(ref / 'consumequeue' / topic / '0'))[0]}"
+    cls = [f"commitlog/{n}" for n in sorted(os.listdir(ref / "commitlog"))[:-1]]
+
+    def evicted() -> bool:
+        files = {f["path"]: f for f in status(m)["files"]}
+        return all(files.get(p, {}).get("state") == "tiered" and files[p]["resident_bytes"] <= 8192
+                   for p in [cq, *cls])
+    wait_for(evicted, timeout=90, what="the queue file and the sealed CommitLog segments tiered and evicted")
+    for rel in [cq, *cls]:
+        evict(m.mnt / rel)  # written through the mount: still in the page cache
+    # the CommitLog open, as the broker keeps it mapped, and read from once (its first page is pinned: local)
+    fds = {name: os.open(m.mnt / name, os.O_RDONLY) for name in cls}
+    try:
+        for fd in fds.values():
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, 64, 0)
+        e0 = status(m)["totals"]["engine"]
+        page = (m.mnt / cq).read_bytes()
+        units = [u for u in struct.iter_unpack(">qiq", page) if u[0] >= 0 and u[1] > 0]
+        assert len(units) == 1000
+        e1 = status(m)["totals"]["engine"]
+        named = e1["named_prefetch_bytes"] - e0["named_prefetch_bytes"]
+        assert named > 0
+        wait_for(lambda: status(m)["totals"]["engine"]["prefetch_bytes"] - e0["prefetch_bytes"] >= named,
+                 timeout=30, what="the named CommitLog blocks fetched")
+        e2 = status(m)["totals"]["engine"]
+        for phys, size, _ in units:
+            base = phys - phys % MiB
+            name = f"commitlog/{base:020d}"
+            if name not in cls:
+                continue  # in the active segment: local
+            got = os.pread(fds[name], size, phys - base)
+            with open(ref / name, "rb") as f:
+                f.seek(phys - base)
+                assert got == f.read(size), f"record at {phys}"
+        e3 = status(m)["totals"]["engine"]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert e3["reads_waited"] == e2["reads_waited"]  # every record was in memory already
+    assert e3["fetches"] == e2["fetches"]
