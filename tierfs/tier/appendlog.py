@@ -275,10 +275,13 @@ class AppendLog:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
+        # the first round one period after the start: at mount nothing was written yet, and the FUSE session
+        # the round flushes through may not be serving yet
+        started = time.monotonic()
         while True:
+            await trio.sleep(max(0.0, self.rpo - (time.monotonic() - started)))
             started = time.monotonic()
             await self.round(flush=True)
-            await trio.sleep(max(0.0, self.rpo - (time.monotonic() - started)))
 
     async def final(self) -> None:
         """At a clean unmount (the mount is gone: no flush through it, and nothing writes any more)."""
