@@ -160,10 +160,12 @@ class SparkCluster:
         self.wait(lambda: self.alive_workers() == 2, 90, f"worker{i} registered again")
 
     def state(self) -> dict | None:
+        """The master's state from its web UI's JSON endpoint; None until it answers with JSON (right after the
+        UI starts, Jetty may serve the HTML page for /json/ before the JSON handler is attached)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui_port}/json/", timeout=2) as r:
                 return json.load(r)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: json.JSONDecodeError, an HTML page
             return None
 
     def alive_workers(self) -> int:
