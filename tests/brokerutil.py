@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -82,6 +83,18 @@ def client_classes(version: str) -> Path:
         except OSError:  # another process compiled the same source first
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def acked_before(acked: Path, count: int, cut_ms: int, out: Path) -> int:
+    """The messages the producer saw acknowledged before `cut_ms` (its ACKED.ms file: one big-endian epoch-ms
+    per message, 0 = never), written to `out` as the BitSet the consumer expects; returns how many."""
+    ack_ms = struct.unpack(f">{count}q", Path(f"{acked}.ms").read_bytes())
+    bits = bytearray((count + 7) // 8)  # java.util.BitSet.toByteArray layout
+    for i, ms in enumerate(ack_ms):
+        if 0 < ms < cut_ms:
+            bits[i // 8] |= 1 << (i % 8)
+    out.write_bytes(bytes(bits))
+    return sum(0 < ms < cut_ms for ms in ack_ms)
 
 
 def free_ports(n: int, gap: int = 3) -> list[int]:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import threading
 import time
 from pathlib import Path
@@ -250,14 +249,8 @@ def test_kill_tierfs_daemon_under_broker(env: Env):
     assert rmq.broker.proc.poll() is None, "the broker died with the tierfs daemon"
     wait_for(lambda: "msync with parameter MS_SYNC failed" in rmq.broker_log(), 30, 0.5,
              what="the broker logging its failed msync")
-    ack_ms = struct.unpack(f">{count}q", Path(f"{acked}.ms").read_bytes())
-    bits = bytearray((count + 7) // 8)  # java.util.BitSet.toByteArray layout
-    for i, ms in enumerate(ack_ms):
-        if 0 < ms < killed_ms:
-            bits[i // 8] |= 1 << (i % 8)
-    n_before = sum(0 < ms < killed_ms for ms in ack_ms)
     durable = env.base / "acked-tk-before-kill"
-    durable.write_bytes(bytes(bits))
+    n_before = B.acked_before(acked, count, killed_ms, durable)
     with timed(report, "remount + broker restart"):
         rmq.stop_broker(signal.SIGKILL)
         env.mount.kill()  # clears the dead FUSE connection (fusermount3 -uz)
