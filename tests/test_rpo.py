@@ -303,3 +303,76 @@ def test_append_ranges_merge_and_cover():
     merged = coalesce([(0, 4096), (4096, 8192)], 1 << 20, 0)
     assert covered_by(TailObject("k", 100, 5000, 0), merged)
     assert not covered_by(TailObject("k", 8000, 500, 0), merged)
+
+
+def _segment_with_torn_record(tmp_path: Path, base: int = 1 << 20) -> tuple[Path, list[int]]:
+    """A 1 MiB CommitLog segment holding 40 whole records, then one whose properties' last page is still zeros
+    (its body, lengths and crc are there): what a copy of an mmap'd segment can hold mid-write."""
+    from tierfs.store import commitlog as cl
+
+    seg = tmp_path / "store" / "commitlog" / f"{base:020d}"
+    seg.parent.mkdir(parents=True)
+    buf = bytearray(1 << 20)
+    ends, pos = [], 0
+    for i in range(41):
+        props = {"seq": str(i), "KEYS": f"K{i}", "pad": "x" * (3000 if i == 40 else 10)}
+        rec = cl.encode_message(cl.Message(topic="TO", body=b"m%06d" % i * 50, physical_offset=base + pos,
+                                           store_timestamp=1, properties=props))
+        buf[pos:pos + len(rec)] = rec
+        pos += len(rec)
+        ends.append(pos)
+    torn_from = ends[-2] + 200 + 4096 - (ends[-2] + 200) % 4096  # the torn record's second page: not yet written
+    buf[torn_from:ends[-1]] = bytes(ends[-1] - torn_from)
+    assert torn_from < ends[-1] - 100 and cl.decode_record(buf, ends[-2], check_crc=True) is not None, \
+        "the torn record passes the broker's own recovery checks"
+    seg.write_bytes(bytes(buf))
+    return seg, ends
+
+
+def test_commitlog_walk_stops_before_a_torn_record(tmp_path):
+    from tierfs.store import commitlog as cl
+
+    seg, ends = _segment_with_torn_record(tmp_path)
+    buf = seg.read_bytes()
+    whole = dict(buf_offset=0, file_start=1 << 20, file_size=len(buf))
+    assert cl.complete_records_end(buf, 0, trusted_end=0, **whole) == (ends[-2], False)
+    # records up to the last byte written before the flush need only their lengths
+    assert cl.complete_records_end(buf, 0, trusted_end=len(buf), **whole) == (ends[-1], False)
+    # a window ending inside a record asks for more; a wrong PHYSICALOFFSET is not a whole record
+    assert cl.complete_records_end(buf[:ends[3] + 10], 0, trusted_end=0, **whole) == (ends[3], True)
+    assert cl.complete_records_end(buf[ends[1]:], ends[1], buf_offset=ends[1], file_start=1 << 21,
+                                   file_size=len(buf), trusted_end=0) == (ends[1], False)
+    # a terminal BLANK ends the segment
+    sealed = bytearray(buf)
+    sealed[ends[-2]:] = cl.encode_blank(len(buf) - ends[-2]) + bytes(len(buf) - ends[-2] - 8)
+    assert cl.complete_records_end(sealed, 0, trusted_end=0, **whole) == (ends[-2] + 8, False)
+
+
+def test_continuous_upload_never_copies_a_torn_commitlog_record(tmp_path):
+    """Fails on 7786e4a: a round copied the active CommitLog up to its last non-zero byte, so a point could hold
+    a record whose last page was still zeros while its ConsumeQueue unit named it; the broker's recovery accepts
+    such a record (lengths and body crc are right) and a takeover served it without its properties."""
+    from types import SimpleNamespace
+
+    from tierfs.objectstore import open_store
+    from tierfs.tier.appendlog import AppendLog, Tail
+
+    seg, ends = _segment_with_torn_record(tmp_path)
+    (tmp_path / "objects").mkdir()
+    eng = SimpleNamespace(store=open_store(f"file://{tmp_path / 'objects'}"), store_id="s", hot=tmp_path / "store",
+                          config={"tiering.rpo_seconds": 10}, fence=lambda key: None)
+    log = AppendLog(eng)  # type: ignore[arg-type]
+    t = Tail("commitlog/" + seg.name, seg.stat().st_ino, 1)
+    objs, end = log._upload_one(t, [])
+    assert end == ends[-2] and max(o.end for o in objs) == ends[-2]
+    # the record whole now: the next round uploads it from the committed offset
+    buf = bytearray(seg.read_bytes())
+    from tierfs.store import commitlog as cl
+    rec = cl.encode_message(cl.Message(topic="TO", body=b"m%06d" % 40 * 50, physical_offset=(1 << 20) + ends[-2],
+                                       store_timestamp=1, properties={"seq": "40", "KEYS": "K40",
+                                                                      "pad": "x" * 3000}))
+    buf[ends[-2]:ends[-1]] = rec
+    seg.write_bytes(bytes(buf))
+    t.uploaded, t.committed = True, end
+    objs, end = log._upload_one(t, [])
+    assert end == ends[-1] and objs[0].start == ends[-2] and objs[-1].end == ends[-1]

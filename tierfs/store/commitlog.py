@@ -58,6 +58,7 @@ __all__ = [
     "string_to_properties",
     "message_id",
     "sealed_commitlog_end",
+    "complete_records_end",
 ]
 
 # --- constants (MessageDecoder, MessageSysFlag, MessageConst) -------------------------------------
@@ -541,3 +542,54 @@ def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_s
         except (struct.error, ValueError, IndexError, TypeError):
             return None
         return None
+
+
+def complete_records_end(buf, pos: int, *, buf_offset: int, file_start: int, file_size: int,
+                         trusted_end: int) -> tuple[int, bool]:
+    """Walk the records of a CommitLog segment still being written, as far as each is wholly written.
+
+    *buf* holds the segment from position *buf_offset*; the walk starts at segment position *pos* (a record
+    boundary) and returns ``(end, more)``: *end* is the position after the last complete record (after the
+    terminal BLANK when there is one), *more* is True when the walk stopped only because the next record runs
+    past the end of *buf* (read more and call again from *end*).
+
+    Why this is stricter than the broker's recovery: a copy of a segment taken while it is written (mmap'd
+    pages reach the daemon page by page, in any order) can hold a record whose last page is still zeros. The
+    broker's recovery checks only lengths and the body's crc, so a record torn inside its topic or properties
+    would pass it and be served with wrong properties. A record ending at or before *trusted_end* (the last
+    written byte seen before the pages were flushed: one appender writes records in order, so every record up
+    to there was complete) needs only its lengths; a later one must also have its body crc, its
+    PHYSICALOFFSET (``file_start + pos``) and a topic and properties free of NUL bytes.
+    """
+    with memoryview(buf) as mv:
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        end = buf_offset + len(mv)
+        unpack_ii = _II.unpack_from
+        while True:
+            rel = pos - buf_offset
+            if pos + BLANK_SIZE > end:
+                return pos, pos + BLANK_SIZE <= file_size
+            total, magic = unpack_ii(mv, rel)
+            if magic == BLANK_MAGIC:
+                return (pos + BLANK_SIZE, False) if total == file_size - pos else (pos, False)
+            if magic == MAGIC_V1:
+                version = 1
+            elif magic == MAGIC_V2:
+                version = 2
+            else:
+                return pos, False
+            if total < 91 or pos + total + BLANK_SIZE > file_size:
+                return pos, False
+            if pos + total > end:
+                return pos, True
+            if pos + total > trusted_end:
+                lay = _message_layout(mv, rel, total, version, len(mv))
+                if lay is None or not _crc_ok(mv, rel, lay[3], lay[4]) \
+                        or _Q.unpack_from(mv, rel + PHYSICAL_OFFSET_POSITION)[0] != file_start + pos:
+                    return pos, False
+                topic_off, topic_len, props_off, props_len = lay[5], lay[6], lay[7], lay[8]
+                if 0 in mv[rel + topic_off:rel + topic_off + topic_len] \
+                        or 0 in mv[rel + props_off:rel + props_off + props_len]:
+                    return pos, False
+            pos += total

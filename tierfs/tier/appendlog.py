@@ -44,6 +44,7 @@ import trio
 
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectStoreError, validate_key
+from tierfs.store import commitlog
 from tierfs.store.paths import Kind, classify
 from tierfs.tier.catalog import State
 
@@ -57,6 +58,7 @@ APPEND_KINDS = frozenset((Kind.COMMITLOG, Kind.CONSUMEQUEUE, Kind.BATCHCONSUMEQU
 MAX_OBJECT = 64 << 20  # one append object at most: a first upload of a long tail goes in pieces
 GAP = 64 << 10  # written ranges closer than this go up as one object
 _ZERO_SCAN = 1 << 20
+_WALK_WINDOW = 8 << 20  # CommitLog bytes read per step of the complete-records walk
 FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 TAILS_SCHEMA = """
 CREATE TABLE snapshot_tails (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
@@ -91,6 +93,7 @@ class Tail:
     objects: list[TailObject] = field(default_factory=list)
     dirty: list[tuple[int, int]] = field(default_factory=list)  # ranges written since the last upload
     uploaded: bool = False  # False: the first upload takes every data extent of the file
+    trusted: int = 0  # CommitLog: its last written byte before this round's flush (every record to there is whole)
 
 
 def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
@@ -300,6 +303,7 @@ class AppendLog:
         try:
             await trio.to_thread.run_sync(self._verify_lease, limiter=eng.limiter)
             files = await trio.to_thread.run_sync(self._scan)
+            await self._mark_written(files)
             if flush:
                 await self._flush(self._to_flush(files))
             n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
@@ -365,6 +369,43 @@ class AppendLog:
                             out.append((rel, st))
         return out
 
+    async def _mark_written(self, files: list[tuple[str, os.stat_result]]) -> None:
+        """Before the flush: the last written byte of each CommitLog as the hot dir holds it now. The broker
+        wrote it before the flush, and one appender writes records in order, so after the flush every record
+        up to it is whole; past it a record may still lack pages (see `_complete_end`)."""
+        tails = []
+        for rel, st in files:
+            if classify(rel) is Kind.COMMITLOG:
+                t = self.tails.get(st.st_ino)
+                if t is None or t.rel != rel:
+                    t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
+                tails.append((t, min(t.committed, st.st_size), st.st_size))
+        if tails:
+            ends = await trio.to_thread.run_sync(self._written_ends, tails, limiter=self.eng.limiter)
+            for (t, _, _), end in zip(tails, ends):
+                t.trusted = end
+
+    def _written_ends(self, tails: list[tuple[Tail, int, int]]) -> list[int]:
+        out = []
+        for t, start, size in tails:
+            try:
+                fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                out.append(start)  # gone or replaced: nothing past the committed offset is trusted
+                continue
+            try:
+                out.append(data_end(fd, start, size) if os.fstat(fd).st_ino == t.ino else start)
+            finally:
+                os.close(fd)
+        return out
+
+    def _new_tail(self, rel: str, ino: int) -> Tail:
+        old = self.tails.get(ino)
+        if old is not None:
+            self._retire(old)
+        self._fileno += 1
+        return Tail(rel, ino, self._fileno)
+
     async def _flush(self, rels: list[str]) -> None:
         """fsync the files through the mount from a child process, so every page the kernel still holds dirty
         reaches the daemon (and the hot dir) before the round reads them."""
@@ -404,10 +445,7 @@ class AppendLog:
             live.add(st.st_ino)
             t = self.tails.get(st.st_ino)
             if t is None or t.rel != rel:
-                if t is not None:
-                    self._retire(t)
-                self._fileno += 1
-                t = self.tails[st.st_ino] = Tail(rel, st.st_ino, self._fileno)
+                t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
             dirty, t.dirty = t.dirty, []  # writes during the upload start the next list
             try:
                 objs, end = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
@@ -452,13 +490,20 @@ class AppendLog:
                 return [], t.committed
             size = st.st_size
             committed = min(t.committed, size)
-            if not t.uploaded:
-                ranges = [(0, data_end(fd, 0, size))]
+            kind = classify(t.rel)
+            if kind is Kind.COMMITLOG:
+                # only whole records: a copy must never hold a record whose last pages are still zeros
+                committed, limit = self._complete_end(fd, t, committed, size)
+                ranges = [(0, limit)] if not t.uploaded else list(dirty) + [(committed, limit)]
+                ranges = coalesce(ranges, limit)
             else:
-                ranges = list(dirty)
-                if classify(t.rel) in APPEND_KINDS:
-                    ranges.append((committed, data_end(fd, committed, size)))
-            ranges = coalesce(ranges, size)
+                if not t.uploaded:
+                    ranges = [(0, data_end(fd, 0, size))]
+                else:
+                    ranges = list(dirty)
+                    if kind in APPEND_KINDS:
+                        ranges.append((committed, data_end(fd, committed, size)))
+                ranges = coalesce(ranges, size)
             objs = []
             end = max([committed] + [hi for _, hi in ranges])
             for off, n in ((o, min(MAX_OBJECT, hi - o)) for lo, hi in ranges for o in range(lo, hi, MAX_OBJECT)):
@@ -479,6 +524,41 @@ class AppendLog:
             return objs, end
         finally:
             os.close(fd)
+
+    def _complete_end(self, fd: int, t: Tail, committed: int, size: int) -> tuple[int, int]:
+        """Blocking: (committed, end of the whole records from it) of a CommitLog segment. The walk starts at
+        the committed offset (always a record boundary), or at 0 for a first upload and when the bytes there
+        are no longer a record (the broker rewrote the tail): then the committed offset falls back to 0."""
+        try:
+            file_start = int(Path(t.rel).name)
+        except ValueError:
+            file_start = -1  # not a CommitLog name: its PHYSICALOFFSETs cannot be checked, nothing is whole
+        start = committed if t.uploaded else 0
+        stop = data_end(fd, start, size)
+        end = self._walk(fd, start, stop, size, file_start, t.trusted)
+        if end == start and stop > start > 0:
+            head = os.pread(fd, 8, start)
+            magic = int.from_bytes(head[4:8], "big", signed=True) if len(head) == 8 else 0
+            if any(head) and magic not in (commitlog.MAGIC_V1, commitlog.MAGIC_V2, commitlog.BLANK_MAGIC):
+                start = 0
+                end = self._walk(fd, 0, stop, size, file_start, t.trusted)
+        return start, end
+
+    @staticmethod
+    def _walk(fd: int, pos: int, stop: int, size: int, file_start: int, trusted: int) -> int:
+        want = _WALK_WINDOW
+        while pos < stop:
+            buf = os.pread(fd, min(want, size - pos), pos)
+            end, more = commitlog.complete_records_end(buf, pos, buf_offset=pos, file_start=file_start,
+                                                       file_size=size, trusted_end=trusted)
+            if not more:
+                return end
+            # one record longer than the window: read it whole
+            want = _WALK_WINDOW if end > pos else int.from_bytes(buf[:4], "big") + commitlog.BLANK_SIZE
+            if end == pos and len(buf) >= want:
+                return pos
+            pos = end
+        return pos
 
     def snapshot_rows(self, stats: dict[str, os.stat_result]) -> dict[str, TailRow]:
         """The tails a snapshot taken now names (only files whose inode is still the tail's). On the trio
