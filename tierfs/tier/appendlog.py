@@ -59,6 +59,10 @@ MAX_OBJECT = 64 << 20  # one append object at most: a first upload of a long tai
 GAP = 64 << 10  # written ranges closer than this go up as one object
 _ZERO_SCAN = 1 << 20
 _WALK_WINDOW = 8 << 20  # CommitLog bytes read per step of the complete-records walk
+# Read before a round flushes, and named by the snapshot that names the round's append objects: what the
+# broker's checkpoint claims durable (its flushed CommitLog and ConsumeQueue times, from which its recovery
+# starts re-dispatching) must already be in the segment copies; read after them it could claim more.
+CHECKPOINT_FILES = ("checkpoint",)
 FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 TAILS_SCHEMA = """
 CREATE TABLE snapshot_tails (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
@@ -238,6 +242,7 @@ class AppendLog:
         self.deleted = 0
         self.last_round: dict = {}
         self.last_error = ""
+        self.checkpoints: dict[str, bytes] = {}  # CHECKPOINT_FILES as read before the committed objects' round
         # set by the FUSE front (mount.py): the hot-dir inodes open through the mount now
         self.open_inodes: Callable[[], set[int]] | None = None
 
@@ -304,9 +309,11 @@ class AppendLog:
             await trio.to_thread.run_sync(self._verify_lease, limiter=eng.limiter)
             files = await trio.to_thread.run_sync(self._scan)
             await self._mark_written(files)
+            checkpoints = await trio.to_thread.run_sync(self._read_checkpoints, limiter=eng.limiter)
             if flush:
                 await self._flush(self._to_flush(files))
             n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
+            self.checkpoints = checkpoints
             snap = None
             if eng.snapshotter is not None:
                 # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
@@ -384,6 +391,15 @@ class AppendLog:
             ends = await trio.to_thread.run_sync(self._written_ends, tails, limiter=self.eng.limiter)
             for (t, _, _), end in zip(tails, ends):
                 t.trusted = end
+
+    def _read_checkpoints(self) -> dict[str, bytes]:
+        out = {}
+        for rel in CHECKPOINT_FILES:
+            try:
+                out[rel] = (self.eng.hot / rel).read_bytes()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                pass
+        return out
 
     def _written_ends(self, tails: list[tuple[Tail, int, int]]) -> list[int]:
         out = []

@@ -313,6 +313,8 @@ class Snapshotter:
             todo: dict[str, int] = {}
             alog = getattr(self.eng, "appendlog", None)
             tails = alog.snapshot_rows(stats) if alog is not None else {}  # active files as append objects
+            # with append objects, the broker's checkpoint as read before they were (see appendlog.CHECKPOINT_FILES)
+            frozen = dict(alog.checkpoints) if tails else {}
             for rel in stats:
                 e = self.eng.entries.get(rel)
                 if rel in tails:
@@ -325,7 +327,7 @@ class Snapshotter:
             for _ in range(3):
                 if not todo:
                     break
-                got = await trio.to_thread.run_sync(self._blob_files, list(todo), counters)
+                got = await trio.to_thread.run_sync(self._blob_files, list(todo), counters, frozen)
                 again: dict[str, int] = {}
                 for rel, gen in todo.items():
                     e = self.eng.entries.get(rel)
@@ -421,18 +423,20 @@ class Snapshotter:
                         log.warning("snapshot: skipping %r (not UTF-8)", rel)
         return tree, files
 
-    def _blob_files(self, rels: list[str], counters: list[int]) -> dict[str, tuple | None]:
+    def _blob_files(self, rels: list[str], counters: list[int], frozen: dict[str, bytes]
+                    ) -> dict[str, tuple | None]:
         if self._known is None:
             pre = blob_prefix(self.sid)
             self._known = {i.key[len(pre):] for i in self.store.list(pre)}
         workers = max(1, min(8, int(self.eng.config["objectstore.max_concurrency"]), _UPLOAD_MEMORY // self.eng.chunk))
         if workers == 1 or len(rels) < 2:
-            return {rel: self._blob_file(rel, counters) for rel in rels}
+            return {rel: self._blob_file(rel, counters, frozen.get(rel)) for rel in rels}
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="snapshot") as pool:
-            return dict(zip(rels, pool.map(lambda rel: self._blob_file(rel, counters), rels)))
+            return dict(zip(rels, pool.map(lambda rel: self._blob_file(rel, counters, frozen.get(rel)), rels)))
 
-    def _blob_file(self, rel: str, counters: list[int]) -> tuple | None:
-        """Cut one file into chunks, upload the new ones, and return its snapshot row (None: it is gone)."""
+    def _blob_file(self, rel: str, counters: list[int], content: bytes | None = None) -> tuple | None:
+        """Cut one file into chunks, upload the new ones, and return its snapshot row (None: it is gone).
+        With `content`, that is the file's content (read earlier), not what the hot dir holds now."""
         assert self._known is not None
         try:
             fd = os.open(self.eng.hot / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -448,15 +452,19 @@ class Snapshotter:
             c = self._files.get(rel)
             # reuse only if unchanged *and* last changed well before we read it (timestamps are coarse; ctime,
             # unlike mtime, always moves to "now" on a write)
-            if c is not None and c.ident == ident and st.st_ctime < c.read_at - 1.0 \
+            if content is None and c is not None and c.ident == ident and st.st_ctime < c.read_at - 1.0 \
                     and all(s in self._known for s in c.shas):
                 return c.row
             read_at = time.time()
             chunk, block = self.eng.chunk, self.eng.block
             crc, block_crcs, shas, size = 0, [], [], 0
-            for off in range(0, st.st_size, chunk):
-                n = min(chunk, st.st_size - off)
-                if _is_hole(fd, off, n):
+            length = st.st_size if content is None else len(content)
+            for off in range(0, length, chunk):
+                n = min(chunk, length - off)
+                if content is not None:
+                    data = content[off:off + n]
+                    sha = hashlib.sha256(data).hexdigest()
+                elif _is_hole(fd, off, n):
                     sha, data = self._zeros(n)
                 else:
                     data = os.pread(fd, n, off)
@@ -482,7 +490,8 @@ class Snapshotter:
                       generation=0, format="raw", chunk_bytes=chunk, block_bytes=block, crc32c=crc,
                       block_crcs=block_crcs, objects=[blob_key(self.sid, s) for s in shas], state_since=0.0)
             row = _file_row(e, st)
-            self._files[rel] = _Cached(ident, read_at, row, shas)
+            if content is None:
+                self._files[rel] = _Cached(ident, read_at, row, shas)
             return row
         finally:
             os.close(fd)
