@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import select
 import statistics
@@ -432,3 +433,38 @@ def test_store_stalled_60s_while_producing(mount_store, rgw, fault_proxy, tmp_pa
     assert stall_cap >= 0.5 * base_cap
     assert max(eio_times) <= READ_TIMEOUT + EIO_SLACK
     assert backlog_peak["upload_backlog_files"] > 0
+
+
+def test_a_fetch_failing_after_its_reader_gave_up_never_fails_a_later_read(mount_store, rgw, fault_proxy):
+    """Finding 9: a fetch whose reader had timed out kept running; when it failed later, its error was stored per
+    block and handed to the next reader of those blocks even though that reader's own fetch had succeeded: a
+    false EIO. (A buffered read is retried by the kernel once, which hid this one; an O_DIRECT read is not.)
+    Now every fetch carries its own error, seen only by the readers waiting on that fetch. Fails on 9b9b229."""
+    from test_engine_core import cq_bytes, put_cq
+
+    m = mount_store(options=[s3_opts(rgw, fault_proxy, "faults-stale",
+                                     ",cache.max_bytes=0,objectstore.max_attempts=3")])
+    rel = "consumequeue/TopicS/0/00000000000000000000"
+    want = cq_bytes(3000)
+    put_cq(m, rel, want)
+    wait_for(lambda: (f := file_state(m, rel)) and f["state"] == "tiered" and f["resident_bytes"] < f["size"],
+             timeout=120, what=f"{rel} tiered and evicted")
+    fault_proxy.set("stall", methods=["GET"])
+    t0 = time.monotonic()
+    assert read_outcome(m.mnt / rel, want) == "eio"  # the store does not answer: EIO within the read bound
+    assert time.monotonic() - t0 < READ_TIMEOUT + EIO_SLACK + 2
+    # the fetch the reader gave up on fails only now: its stalled connection is closed, every retry gets a 500
+    fault_proxy.set("error", status=500, code="InternalError", methods=["GET"])
+    wait_for(lambda: f"read of {rel} failed" in m.log.read_text(),
+             timeout=60, what="the abandoned fetches failing")
+    fault_proxy.set("pass")
+    # one page past the first (that one never leaves the hot file), with O_DIRECT: the kernel passes the read
+    # through once and returns its error (a buffered read it retries, and the retry hid the false EIO)
+    fd = os.open(m.mnt / rel, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, 4096)
+        assert os.preadv(fd, [buf], 4096) == 4096 and buf[:] == want[4096:8192]
+    finally:
+        os.close(fd)
+    assert read_outcome(m.mnt / rel, want) == "ok"
+    assert m.alive()
