@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import struct
 import time
 from pathlib import Path
 
@@ -376,3 +377,31 @@ def test_continuous_upload_never_copies_a_torn_commitlog_record(tmp_path):
     t.uploaded, t.committed = True, end
     objs, end = log._upload_one(t, [])
     assert end == ends[-1] and objs[0].start == ends[-2] and objs[-1].end == ends[-1]
+
+
+def test_a_round_flushes_through_the_mount_without_syncing_the_hot_files(tmp_path, mount_store):
+    """A round's flush through the mount (so pages still dirty in the kernel reach the daemon) made the daemon
+    fsync every active hot file too: a journal commit per file per round on the disk a SYNC_FLUSH broker waits
+    on (bench/broker.py: produce 0.51 of native with continuous tiering, 0.83 without). The flusher only needs
+    the kernel's writeback, which precedes its FSYNC; the daemon now answers its FSYNCs without a sync. Fails on
+    33d7933 (the powerloss journal sees the hot file synced)."""
+    import mmap
+
+    import powerloss
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    hot, journal = tmp_path / "hot", tmp_path / "journal"
+    m = mount_store(hot=hot, options=[TIER_OPTS, f"objectstore.url=file://{objects},tiering.rpo_seconds=1"],
+                    env=powerloss.env(hot, journal))
+    rel = "consumequeue/TopicF/0/00000000000000000000"
+    (m.mnt / rel).parent.mkdir(parents=True)
+    with open(m.mnt / rel, "w+b") as f:
+        f.truncate(1 << 20)
+        with mmap.mmap(f.fileno(), 1 << 20) as mm:
+            mm[:20 * 1000] = b"".join(struct.pack(">qiq", i * 100, 100, 7) for i in range(1000))
+            t = time.time()
+            wait_round_after(m, t)  # the pages are still dirty in the kernel: only the round's flush sends them
+            assert status(m)["rpo"]["append_bytes"] >= 20 * 1000, status(m)["rpo"]
+    synced = [f for f in powerloss.lines(journal) if f[0] == "S" and f[2].endswith(rel)]
+    assert not synced, f"the round fsynced the hot file {len(synced)} times"

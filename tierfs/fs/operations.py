@@ -117,6 +117,7 @@ class TierOperations(pyfuse3.Operations):
         # the engine must see it, and a method call per request would cost every local read
         self._tiered: Mapping[int, Any] = MappingProxyType(engine.tiered if engine is not None else {})
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
+        self._flusher_fh: set[int] = set()  # opened by our own flusher: its fsync needs no fsync of the hot file
         self._unlinked_stat: dict[int, os.stat_result] = {}  # last attributes of unlinked inodes, until forget
 
     # ---------------------------------------------------------------- helpers
@@ -472,6 +473,8 @@ class TierOperations(pyfuse3.Operations):
         t = self._tiered.get(inode) if self._tiered else None
         if t is not None:  # a reader of a tiered file: the engine keeps its fetched buffers while it is open
             self.engine.opened(fd, t)  # type: ignore[union-attr]
+        if self.engine is not None and ctx.pid in self.engine.flusher_pids:
+            self._flusher_fh.add(fd)
         return self._new_file_handle(inode, fd, rel)
 
     async def _before_o_trunc(self, inode: int, flags: int) -> None:
@@ -558,7 +561,9 @@ class TierOperations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         if fh >= _CONTROL_FH_BASE:
             return
-        await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
+        # our flusher's FSYNC comes after the kernel wrote back every dirty page, which is all it wants
+        if fh not in self._flusher_fh:
+            await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
         rel = self._seg_fh.get(fh)
         if rel is not None and self.engine is not None:
             self.engine.note_fsync(self._fh_inode[fh], rel)
@@ -570,6 +575,7 @@ class TierOperations(pyfuse3.Operations):
             return
         inode = self._fh_inode.pop(fh, None)
         self._seg_fh.pop(fh, None)
+        self._flusher_fh.discard(fh)
         if self.engine is not None:
             self.engine.release_stream(fh)
         os.close(fh)

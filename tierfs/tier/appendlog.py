@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import stat
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectStoreError, validate_key
 from tierfs.store import commitlog
 from tierfs.store.paths import Kind, classify
+from tierfs.tier import flusher
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -427,14 +427,10 @@ class AppendLog:
         reaches the daemon (and the hot dir) before the round reads them."""
         if self.eng.mountpoint is None or not rels:
             return
-        paths = b"\0".join(r.encode("utf-8", "surrogateescape") for r in rels)
         with trio.move_on_after(max(30.0, 3 * self.rpo)) as scope:
-            done = await trio.run_process([sys.executable, "-P", "-m", "tierfs.tier.flusher",
-                                           str(self.eng.mountpoint)], stdin=paths, capture_stdout=True,
-                                          capture_stderr=True, check=False)
+            failed, _, _ = await flusher.run(self.eng.mountpoint, rels, self.eng.flusher_pids)
         if scope.cancelled_caught:
             raise OSError(errno.ETIMEDOUT, "flushing dirty pages through the mount timed out")
-        failed = done.stdout.decode("utf-8", "replace").splitlines()
         if failed:
             log.warning("flushing %d files through the mount failed, e.g. %s", len(failed), failed[0])
 

@@ -90,6 +90,7 @@ class Engine:
         self.orphans: dict[int, Entry] = {}  # unlinked while open: served through open fds until the last close
         self._fds: dict[int, int] = {}  # engine-owned O_RDWR fds of tiered hot files, by file id
         self.mountpoint: Path | None = None  # the sealer flushes quiet segments through the mount (mount.py sets it)
+        self.flusher_pids: set[int] = set()  # our own flusher processes (tierfs.tier.flusher) running now
         self.workers = WorkerStats()
         # what the FUSE front saw, by hot-dir st_ino: a write voids a seal or upload in flight (write_seq moves)
         self.last_write: dict[int, float] = {}

@@ -12,7 +12,6 @@ import logging
 import mmap
 import os
 import sqlite3
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ import trio
 from tierfs import failpoints
 from tierfs.store.paths import Kind, classify
 from tierfs.store.seal import SealParams, is_sealed
+from tierfs.tier import flusher
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.storeroots import segment_dirs
 
@@ -222,20 +222,18 @@ class Sealer:
             return
         for rel, ino, mark in todo:
             self._flushed[ino] = mark
-        paths = b"\0".join(rel.encode("utf-8", "surrogateescape") for rel, _, _ in todo)
         try:
-            done = await trio.run_process([sys.executable, "-P", "-m", "tierfs.tier.flusher",
-                                           str(self.eng.mountpoint)],
-                                          stdin=paths, capture_stdout=True, capture_stderr=True, check=False)
+            failed, code, stderr = await flusher.run(self.eng.mountpoint, [rel for rel, _, _ in todo],
+                                                     self.eng.flusher_pids)
         except OSError as err:
             log.warning("could not start the segment flusher (%s); will retry", err)
             for _, ino, _ in todo:
                 self._flushed.pop(ino, None)
             return
-        for line in done.stdout.decode("utf-8", "replace").splitlines():
+        for line in failed:
             log.warning("flushing quiet segment %s through the mount failed; will retry", line.replace("\t", ": "))
-        if done.returncode:
-            log.warning("the segment flusher exited %d: %s", done.returncode, done.stderr.decode(errors="replace")[-500:])
+        if code:
+            log.warning("the segment flusher exited %d: %s", code, stderr)
         for rel, ino, _ in todo:
             self._candidates.setdefault(rel, ino)
 
