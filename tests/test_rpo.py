@@ -303,3 +303,168 @@ def test_append_ranges_merge_and_cover():
     merged = coalesce([(0, 4096), (4096, 8192)], 1 << 20, 0)
     assert covered_by(TailObject("k", 100, 5000, 0), merged)
     assert not covered_by(TailObject("k", 8000, 500, 0), merged)
+
+
+# ------------------------------------------------------------------------ IndexFile tails without the slot table
+
+
+def _index_file(path: Path, slots: int, items: int, keys: int, start: int = 0, buf=None) -> bytearray:
+    """An IndexFile written by the broker's put logic (tierfs.store.indexfile), `keys` items from `start` on."""
+    from tierfs.store import indexfile as ix
+
+    if buf is None:
+        buf = bytearray(ix.index_file_size(slots, items))
+    w = ix.IndexWriter(buf, slots, items, load=start > 0)
+    for n in range(start, start + keys):
+        assert w.put_key(f"TopicTest#key-{n}", n * 1000, 1_700_000_000_000 + n * 10)
+    path.write_bytes(buf)
+    return buf
+
+
+def test_index_slot_table_is_rebuilt_from_items(tmp_path):
+    """The hash slots are derived data: replaying the items rebuilds them byte for byte; a file whose size fits
+    the broker's 1:4 geometry by chance, but whose items do not, is not taken for one (None: uploaded whole)."""
+    from tierfs.store import indexfile as ix
+    from tierfs.tier import indextail
+
+    buf = _index_file(tmp_path / "a", 700, 2800, 2000)
+    fd = os.open(tmp_path / "a", os.O_RDWR)
+    try:
+        assert indextail.slot_count(fd, len(buf)) == (700, True)
+        os.pwrite(fd, b"\xff" * 700 * 4, ix.HEADER_SIZE)  # a stale or absent table
+        assert indextail.rebuild_slots(fd, 700) == 2000
+        assert os.pread(fd, len(buf), 0) == bytes(buf)
+    finally:
+        os.close(fd)
+    slots, items = 300, next(i for i in range(1000, 5000) if (4 * 300 + 20 * i) % 84 == 0 and i != 1200)
+    buf = _index_file(tmp_path / "b", slots, items, 900)
+    fd = os.open(tmp_path / "b", os.O_RDONLY)
+    try:
+        assert indextail.slot_count(fd, len(buf)) == (None, False)
+    finally:
+        os.close(fd)
+
+
+def test_index_tail_uploads_header_and_items_only(tmp_path):
+    """An active IndexFile goes up as its header and the items appended since the last round, never its hash-slot
+    table (rewritten all over by every put); materialised from the append objects, the slots are rebuilt and every
+    key resolves. Old code: the first round uploaded the whole slot table (and later rounds all dirty slot pages)."""
+    import types
+
+    from tierfs.store import indexfile as ix
+    from tierfs.tier import appendlog
+
+    hot, objects = tmp_path / "hot", tmp_path / "objects"
+    (hot / "index").mkdir(parents=True)
+    objects.mkdir()
+    slots, items = 50_000, 200_000  # a 200 KB slot table: far apart from the header, as the broker's 20 MB one
+    rel = "index/20261125210000000"
+    buf = _index_file(hot / rel, slots, items, 1000)
+    eng = types.SimpleNamespace(store=open_store(f"file://{objects}"), store_id="ix", hot=hot, entries={},
+                                config={"tiering.rpo_seconds": 5, "delete.grace_seconds": 0},
+                                limiter=None, fence=lambda key: None, lease=None, snapshotter=None)
+    eng.limiter = __import__("trio").CapacityLimiter(2)
+    log = appendlog.AppendLog(eng)
+
+    def one_round() -> int:
+        import trio
+
+        files = [(rel, os.stat(hot / rel))]
+        before = log.put_bytes
+        _, _, failed, err = trio.run(log._upload_tails, files)
+        assert not failed and err is None
+        return log.put_bytes - before
+
+    first = one_round()
+    assert first <= ix.HEADER_SIZE + 1001 * ix.ITEM_SIZE, first  # header + items 0..1000
+    # the broker's puts dirty the header, ~1000 slot pages and the new items; the daemon sees those writes
+    buf = _index_file(hot / rel, slots, items, 1000, start=1000, buf=buf)
+    ino, base = os.stat(hot / rel).st_ino, ix.HEADER_SIZE + slots * ix.SLOT_SIZE
+    for off, n in ((0, 4096), (4096, slots * ix.SLOT_SIZE - 4096), (base + 1001 * ix.ITEM_SIZE, 1000 * ix.ITEM_SIZE)):
+        log.note_write(ino, rel, off, n)
+    second = one_round()
+    assert 1000 * ix.ITEM_SIZE <= second <= ix.HEADER_SIZE + 1001 * ix.ITEM_SIZE, second  # (a torn last item)
+    row = log.snapshot_rows({rel: os.stat(hot / rel)})[rel]
+    assert row.slots == slots
+    other = tmp_path / "other"
+    (other / "index").mkdir(parents=True)
+    with open(other / rel, "wb") as f:
+        f.truncate(row.size)
+    appendlog.materialise(eng.store, other, row)
+    got = (other / rel).read_bytes()
+    assert got == bytes(buf)
+    for n in (0, 999, 1000, 1999):
+        assert ix.lookup(got, f"TopicTest#key-{n}", 0, 1 << 62, 64, slots, items) == [n * 1000]
+
+
+def test_round_walks_once_and_a_restart_resumes_from_the_catalog(tmp_path, monkeypatch):
+    """In process, a real engine on a posix store: a continuous-tiering round walks the hot dir once (its
+    snapshot reuses the walk); the upload offsets are in the catalog, so a restarted daemon uploads only what
+    changed, not every active file again (an object whose bytes changed behind its back goes up again); the new
+    snapshot still materialises the files byte for byte. Old code: two walks a round, and a restart re-uploaded
+    every active file."""
+    import trio
+
+    from tierfs.config import Config
+    from tierfs.tier import appendlog
+    from tierfs.tier.engine import Engine
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = f"objectstore.url=file://{objects},store.id=rs,tiering.rpo_seconds=5,delete.grace_seconds=0"
+    files = {"commitlog/00000000000000000000": os.urandom(3 << 20),
+             "consumequeue/T/0/00000000000000000000": os.urandom(60_000),
+             "checkpoint": os.urandom(4096)}
+
+    def start():
+        hot = tmp_path / "a-hot"
+        (hot / ".tierfs").mkdir(parents=True, exist_ok=True)
+        eng = Engine(hot, hot / ".tierfs", Config.load(None, [opts]))
+        eng.reconcile()
+        return eng
+
+    eng = start()
+    for rel, data in files.items():
+        (eng.hot / rel).parent.mkdir(parents=True, exist_ok=True)
+        (eng.hot / rel).write_bytes(data)
+    walks = []
+    real_scandir = os.scandir
+
+    def counting(path=".", *a):
+        if Path(path) == eng.hot:
+            walks.append(path)
+        return real_scandir(path, *a)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    assert trio.run(eng.appendlog.round, False)
+    assert len(walks) == 1, walks
+    first = eng.appendlog.put_bytes
+    assert first >= (3 << 20) + 60_000
+    eng.catalog.close()
+
+    eng = start()  # a restart (or a crash: the offsets were committed with the round)
+    cl = eng.hot / "commitlog/00000000000000000000"
+    with open(cl, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(b"new records" * 100)  # appended past the committed offset
+        f.seek(1 << 20)
+        f.write(b"X" * 10)  # rewritten inside an uploaded object, while no daemon watched
+    walks.clear()
+    assert trio.run(eng.appendlog.round, False)
+    assert len(walks) == 1, walks
+    again = eng.appendlog.put_bytes  # the changed object and the appended bytes, no more: not the CQ file
+    assert 1100 + 10 <= again <= (3 << 20) + 1100 < first, (again, first)
+    cq = next(t for t in eng.appendlog.tails.values() if t.rel.startswith("consumequeue/"))
+    assert all(eng.appendlog.incarnation not in o.key for o in cq.objects), cq.objects
+    store = open_store(f"file://{objects}")
+    ptr = snap.read_pointer(store, "rs")
+    db = tmp_path / "snap.db"
+    db.write_bytes(store.get(ptr.key))
+    out = tmp_path / "out"
+    for row in snap.load_tails(db, "rs", ".tierfs", set()):
+        (out / row.path).parent.mkdir(parents=True, exist_ok=True)
+        with open(out / row.path, "wb") as f:
+            f.truncate(row.size)
+        appendlog.materialise(store, out, row)
+        assert (out / row.path).read_bytes() == (eng.hot / row.path).read_bytes(), row.path
+    eng.catalog.close()

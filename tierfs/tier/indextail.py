@@ -1,0 +1,90 @@
+"""Active IndexFiles in continuous tiering: upload the header and the appended items, not the hash-slot table.
+
+An IndexFile (rocketmq-store-format.md §7) is a 40-byte header, `maxHashSlotNum` 4-byte hash slots, then 20-byte
+items appended in order. Every put rewrites a random slot, so the slot table (20 MB by default) is dirty all over
+after every round; uploading it each time costs more than the CommitLog itself. It carries no information of its
+own: each slot holds the number of the newest item whose `keyHash % maxHashSlotNum` is that slot, so replaying
+items 1 .. indexCount-1 in order rebuilds it exactly (the items' own `prevIndex` chains are uploaded as they are).
+The writer therefore uploads the header and the items region only (`slot_count` finds where it starts); whoever
+materialises the tail (takeover, read-only and following mounts) calls `rebuild_slots`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from tierfs.store import indexfile as ix
+
+_RATIO = 4  # the broker's maxIndexNum / maxHashSlotNum (20,000,000 / 5,000,000)
+_ITEM = struct.Struct(">iqii")
+_I = struct.Struct(">i")
+
+
+def items_base(slots: int) -> int:
+    """Byte offset of item 0 (never used: the items region the writer uploads starts there)."""
+    return ix.HEADER_SIZE + slots * ix.SLOT_SIZE
+
+
+def _count(fd: int) -> int:
+    h = ix.decode_header(os.pread(fd, ix.HEADER_SIZE, 0).ljust(ix.HEADER_SIZE, b"\0"))
+    return h.index_count
+
+
+def slot_count(fd: int, size: int) -> tuple[int | None, bool]:
+    """(maxHashSlotNum, checked) of an IndexFile of `size` bytes with the broker's items = 4 x slots geometry,
+    checked against its contents when it holds an item: the newest item heads its slot's chain (or a newer item
+    with the same slot does) and chains to an item of the same slot. None when the geometry does not fit: the
+    caller then uploads the file as it is."""
+    if size <= ix.HEADER_SIZE or (size - ix.HEADER_SIZE) % (ix.SLOT_SIZE + _RATIO * ix.ITEM_SIZE):
+        return None, False
+    slots = (size - ix.HEADER_SIZE) // (ix.SLOT_SIZE + _RATIO * ix.ITEM_SIZE)
+    count = _count(fd)
+    if count > _RATIO * slots:
+        return None, False
+    if count <= 1:
+        return slots, False  # no item yet: nothing to check, and nothing in the items region to misplace
+
+    def item(n: int) -> tuple[int, int, int, int] | None:
+        raw = os.pread(fd, ix.ITEM_SIZE, items_base(slots) + n * ix.ITEM_SIZE)
+        return _ITEM.unpack(raw) if len(raw) == ix.ITEM_SIZE else None
+
+    last = item(count - 1)
+    if last is None or last[0] < 0 or not 0 <= last[3] < count - 1:
+        return None, False
+    slot = last[0] % slots
+    head = _I.unpack(os.pread(fd, 4, ix.HEADER_SIZE + slot * ix.SLOT_SIZE).ljust(4, b"\0"))[0]
+    if head != count - 1:
+        newer = item(head) if count - 1 < head < _RATIO * slots else None  # put after the header was read
+        if newer is None or newer[0] < 0 or newer[0] % slots != slot:
+            return None, False
+    if last[3] > 0:
+        prev = item(last[3])
+        if prev is None or prev[0] < 0 or prev[0] % slots != slot:
+            return None, False
+    return slots, True
+
+
+def rebuild_slots(fd: int, slots: int) -> int:
+    """Rewrite the hash-slot table of an IndexFile from its header and items (1 .. indexCount-1, in order: the
+    newest item of each slot wins). Returns the items replayed. Blocking; `fd` open for reading and writing."""
+    count = min(_count(fd), _RATIO * slots)
+    table = np.zeros(slots, dtype=">i4")
+    n = max(0, count - 1)
+    if n:
+        raw = os.pread(fd, n * ix.ITEM_SIZE, items_base(slots) + ix.ITEM_SIZE)
+        n = len(raw) // ix.ITEM_SIZE
+        hashes = np.frombuffer(raw, dtype=">i4", count=n * 5).reshape(n, 5)[:, 0].astype(np.int64)
+        numbers = np.arange(1, n + 1, dtype=np.int64)
+        ok = hashes >= 0  # Math.abs: a valid item never has a negative hash; a torn one is not replayed
+        where = hashes[ok] % slots
+        # the last (newest) item of each slot: unique over the reversed sequence keeps first occurrences
+        uniq, first = np.unique(where[::-1], return_index=True)
+        table[uniq] = numbers[ok][::-1][first]
+    data = table.tobytes()
+    step = 1 << 20
+    for off in range(0, len(data), step):
+        os.pwrite(fd, data[off:off + step], ix.HEADER_SIZE + off)
+    return n
