@@ -156,6 +156,10 @@ def test_takeover_after_kill9_and_lost_hot_dir(tmp_path, mount_store, cleanup_li
     info = status(b)["takeover"]
     assert info["done"] and info["overrode"] == holder and info["files_tiered"] > 0, info
     assert "took over store id rpo1" in b.log_text()
+    # the new writer resumes from the point's upload offsets: its first round does not upload the active files
+    # again (old code: all of them, about bytes_local)
+    wait_round_after(b, time.time())
+    assert status(b)["rpo"]["append_bytes"] < info["bytes_local"] / 10, (status(b)["rpo"], info)
     # the takeover is a writable store like any other: the producer resumes on it (a broker's own recovery
     # would truncate the torn tail first; the example producer starts a new store dir instead)
     more = subprocess.run([sys.executable, str(PRODUCER), str(b.mnt / "again"), *SMALL, "--messages", "500"],
@@ -323,7 +327,8 @@ def _index_file(path: Path, slots: int, items: int, keys: int, start: int = 0, b
 
 def test_index_slot_table_is_rebuilt_from_items(tmp_path):
     """The hash slots are derived data: replaying the items rebuilds them byte for byte; a file whose size fits
-    the broker's 1:4 geometry by chance, but whose items do not, is not taken for one (None: uploaded whole)."""
+    the broker's 1:4 geometry by chance, but whose items do not, is not taken for one (None: uploaded whole),
+    unless the configured geometry says so."""
     from tierfs.store import indexfile as ix
     from tierfs.tier import indextail
 
@@ -341,6 +346,7 @@ def test_index_slot_table_is_rebuilt_from_items(tmp_path):
     fd = os.open(tmp_path / "b", os.O_RDONLY)
     try:
         assert indextail.slot_count(fd, len(buf)) == (None, False)
+        assert indextail.slot_count(fd, len(buf), (slots, items)) == (slots, True)  # broker.max_hash_slot_num...
     finally:
         os.close(fd)
 
@@ -361,7 +367,8 @@ def test_index_tail_uploads_header_and_items_only(tmp_path):
     rel = "index/20261125210000000"
     buf = _index_file(hot / rel, slots, items, 1000)
     eng = types.SimpleNamespace(store=open_store(f"file://{objects}"), store_id="ix", hot=hot, entries={},
-                                config={"tiering.rpo_seconds": 5, "delete.grace_seconds": 0},
+                                config={"tiering.rpo_seconds": 5, "delete.grace_seconds": 0,
+                                        "broker.max_hash_slot_num": 5_000_000, "broker.max_index_num": 20_000_000},
                                 limiter=None, fence=lambda key: None, lease=None, snapshotter=None)
     eng.limiter = __import__("trio").CapacityLimiter(2)
     log = appendlog.AppendLog(eng)

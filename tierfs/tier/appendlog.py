@@ -248,6 +248,8 @@ class AppendLog:
         self.store = engine.store
         self.sid = engine.store_id
         self.rpo = float(engine.config["tiering.rpo_seconds"])
+        self.index_geometry = (int(engine.config["broker.max_hash_slot_num"]),
+                               int(engine.config["broker.max_index_num"]))
         self.incarnation = f"{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.tails: dict[int, Tail] = {}  # by hot-dir st_ino
         self.pending: dict[int, tuple[str, float]] = {}  # ino -> (kind, first write the bucket lacks)
@@ -553,7 +555,7 @@ class AppendLog:
                 if t.slots_checked:
                     slots = t.slots
                 else:
-                    slots, t.slots_checked = indextail.slot_count(fd, size)
+                    slots, t.slots_checked = indextail.slot_count(fd, size, self.index_geometry)
             if slots is not None:
                 ranges = self._index_ranges(fd, t, slots, committed, size, dirty)
             elif not t.uploaded or t.slots:  # first upload, or an IndexFile whose geometry no longer checks out

@@ -5,7 +5,8 @@ items appended in order. Every put rewrites a random slot, so the slot table (20
 after every round; uploading it each time costs more than the CommitLog itself. It carries no information of its
 own: each slot holds the number of the newest item whose `keyHash % maxHashSlotNum` is that slot, so replaying
 items 1 .. indexCount-1 in order rebuilds it exactly (the items' own `prevIndex` chains are uploaded as they are).
-The writer therefore uploads the header and the items region only (`slot_count` finds where it starts); whoever
+The writer therefore uploads the header and the items region only (`slot_count` finds where it starts, from
+the configured geometry or the broker's default 1:4 ratio, checked against the items); whoever
 materialises the tail (takeover, read-only and following mounts) calls `rebuild_slots`.
 """
 
@@ -33,44 +34,61 @@ def _count(fd: int) -> int:
     return h.index_count
 
 
-def slot_count(fd: int, size: int) -> tuple[int | None, bool]:
-    """(maxHashSlotNum, checked) of an IndexFile of `size` bytes with the broker's items = 4 x slots geometry,
-    checked against its contents when it holds an item: the newest item heads its slot's chain (or a newer item
-    with the same slot does) and chains to an item of the same slot. None when the geometry does not fit: the
-    caller then uploads the file as it is."""
-    if size <= ix.HEADER_SIZE or (size - ix.HEADER_SIZE) % (ix.SLOT_SIZE + _RATIO * ix.ITEM_SIZE):
-        return None, False
-    slots = (size - ix.HEADER_SIZE) // (ix.SLOT_SIZE + _RATIO * ix.ITEM_SIZE)
-    count = _count(fd)
-    if count > _RATIO * slots:
-        return None, False
-    if count <= 1:
-        return slots, False  # no item yet: nothing to check, and nothing in the items region to misplace
+def _geometries(size: int, configured: tuple[int, int] | None) -> list[int]:
+    """Hash-slot counts an IndexFile of `size` bytes may have: the configured geometry (broker.max_hash_slot_num,
+    broker.max_index_num) if the size is its size, then the broker's default items = 4 x slots ratio."""
+    out = []
+    if configured is not None and ix.index_file_size(*configured) == size:
+        out.append(configured[0])
+    per = ix.SLOT_SIZE + _RATIO * ix.ITEM_SIZE
+    if size > ix.HEADER_SIZE and (size - ix.HEADER_SIZE) % per == 0 and (size - ix.HEADER_SIZE) // per not in out:
+        out.append((size - ix.HEADER_SIZE) // per)
+    return out
 
+
+def _items(slots: int, size: int) -> int:
+    return (size - items_base(slots)) // ix.ITEM_SIZE
+
+
+def slot_count(fd: int, size: int, configured: tuple[int, int] | None = None) -> tuple[int | None, bool]:
+    """(maxHashSlotNum, checked) of an IndexFile of `size` bytes (see _geometries), checked against its contents
+    when it holds an item: the newest item heads its slot's chain (or a newer item with the same slot does) and
+    chains to an item of the same slot. None when no geometry fits: the caller then uploads the file as it is."""
+    candidates = _geometries(size, configured)
+    count = _count(fd)
+    if count <= 1:  # no item yet: nothing to check, and nothing in the items region to misplace
+        return (candidates[0], False) if candidates else (None, False)
+    for slots in candidates:
+        if count <= _items(slots, size) and _fits(fd, slots, count):
+            return slots, True
+    return None, False
+
+
+def _fits(fd: int, slots: int, count: int) -> bool:
     def item(n: int) -> tuple[int, int, int, int] | None:
         raw = os.pread(fd, ix.ITEM_SIZE, items_base(slots) + n * ix.ITEM_SIZE)
         return _ITEM.unpack(raw) if len(raw) == ix.ITEM_SIZE else None
 
     last = item(count - 1)
     if last is None or last[0] < 0 or not 0 <= last[3] < count - 1:
-        return None, False
+        return False
     slot = last[0] % slots
     head = _I.unpack(os.pread(fd, 4, ix.HEADER_SIZE + slot * ix.SLOT_SIZE).ljust(4, b"\0"))[0]
     if head != count - 1:
-        newer = item(head) if count - 1 < head < _RATIO * slots else None  # put after the header was read
+        newer = item(head) if head > count - 1 else None  # put after the header was read
         if newer is None or newer[0] < 0 or newer[0] % slots != slot:
-            return None, False
+            return False
     if last[3] > 0:
         prev = item(last[3])
         if prev is None or prev[0] < 0 or prev[0] % slots != slot:
-            return None, False
-    return slots, True
+            return False
+    return True
 
 
 def rebuild_slots(fd: int, slots: int) -> int:
     """Rewrite the hash-slot table of an IndexFile from its header and items (1 .. indexCount-1, in order: the
     newest item of each slot wins). Returns the items replayed. Blocking; `fd` open for reading and writing."""
-    count = min(_count(fd), _RATIO * slots)
+    count = min(_count(fd), _items(slots, os.fstat(fd).st_size))
     table = np.zeros(slots, dtype=">i4")
     n = max(0, count - 1)
     if n:
