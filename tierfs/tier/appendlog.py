@@ -44,7 +44,7 @@ import trio
 
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectStoreError, validate_key
-from tierfs.store.indexfile import HEADER_SIZE
+from tierfs.store.indexfile import HEADER_SIZE, ITEM_SIZE
 from tierfs.store.paths import Kind, classify
 from tierfs.tier import indextail
 from tierfs.tier.catalog import State
@@ -185,19 +185,27 @@ def load_tails(db, store_id: str) -> list[TailRow]:
 
 def materialise(store: ObjectStore, hot: Path, row: TailRow) -> int:
     """Write a tail's append objects into its (sparse, full-size) local file, each verified by its crc32c (an
-    IndexFile's hash slots rebuilt from its items); restore its mtime. Returns the bytes written. Blocking; ObjectStoreError or ValueError on a bad object."""
+    IndexFile's hash slots rebuilt from its items); restore its mtime. Returns the bytes written. Blocking;
+    ObjectStoreError or ValueError on a bad object."""
     fd = os.open(hot / row.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     n = 0
     try:
+        # IndexFile: the items the local copy's slots were built from (a follower's refresh adds to them), unless
+        # an object changes one of those
+        since = indextail.local_count(fd) if row.slots else 1
+        built = (indextail.items_base(row.slots), indextail.items_base(row.slots) + since * ITEM_SIZE)
         for o in row.objects:
             data = store.get(o.key)
             if len(data) != o.length or crc32c.crc32c(data) != o.crc:
                 raise ValueError(f"append object {o.key} of {row.path} is corrupt: {len(data)} bytes with crc32c "
                                  f"{crc32c.crc32c(data):08x}, the snapshot says {o.length} with {o.crc:08x}")
+            lo, hi = max(o.start, built[0]), min(o.end, built[1])
+            if row.slots and lo < hi and os.pread(fd, hi - lo, lo) != data[lo - o.start:hi - o.start]:
+                since = 1
             os.pwrite(fd, data, o.start)
             n += len(data)
         if row.slots:
-            indextail.rebuild_slots(fd, row.slots)
+            indextail.rebuild_slots(fd, row.slots, since)
         os.fsync(fd)
         os.utime(fd, ns=(row.mtime_ns, row.mtime_ns))
     finally:
@@ -595,10 +603,11 @@ class AppendLog:
         table never goes up: the reader rebuilds it."""
         base = indextail.items_base(slots)
         lo = max(committed, base) if t.uploaded and t.slots == slots else base
+        lo -= (lo - base) % ITEM_SIZE  # whole items: data_end trimmed the zero bytes an item may end with
         ranges = [(max(a, base), b) for a, b in dirty if b > base]
         end = data_end(fd, lo, size)
         if end > lo:
-            ranges.append((lo, end))
+            ranges.append((lo, min(size, end + (base - end) % ITEM_SIZE)))
         if ranges or dirty or not t.uploaded:
             ranges.append((0, HEADER_SIZE))
         return ranges

@@ -12,6 +12,7 @@ materialises the tail (takeover, read-only and following mounts) calls `rebuild_
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
@@ -85,24 +86,40 @@ def _fits(fd: int, slots: int, count: int) -> bool:
     return True
 
 
-def rebuild_slots(fd: int, slots: int) -> int:
-    """Rewrite the hash-slot table of an IndexFile from its header and items (1 .. indexCount-1, in order: the
-    newest item of each slot wins). Returns the items replayed. Blocking; `fd` open for reading and writing."""
+def local_count(fd: int) -> int:
+    """indexCount of the header a local copy holds now (before new objects are written over it)."""
+    return _count(fd)
+
+
+def rebuild_slots(fd: int, slots: int, since: int = 1) -> int:
+    """Bring the hash-slot table of an IndexFile up to its header and items, in place: replay items since ..
+    indexCount-1 in order over a table that holds items 1 .. since-1 (since <= 1: the whole table from nothing),
+    the newest item of each slot winning. A follower replays only what a refresh added; only the slots that change
+    are written. Returns the items replayed. Blocking; `fd` open for reading and writing."""
     count = min(_count(fd), _items(slots, os.fstat(fd).st_size))
-    table = np.zeros(slots, dtype=">i4")
-    n = max(0, count - 1)
-    if n:
-        raw = os.pread(fd, n * ix.ITEM_SIZE, items_base(slots) + ix.ITEM_SIZE)
-        n = len(raw) // ix.ITEM_SIZE
-        hashes = np.frombuffer(raw, dtype=">i4", count=n * 5).reshape(n, 5)[:, 0].astype(np.int64)
-        numbers = np.arange(1, n + 1, dtype=np.int64)
-        ok = hashes >= 0  # Math.abs: a valid item never has a negative hash; a torn one is not replayed
-        where = hashes[ok] % slots
-        # the last (newest) item of each slot: unique over the reversed sequence keeps first occurrences
-        uniq, first = np.unique(where[::-1], return_index=True)
-        table[uniq] = numbers[ok][::-1][first]
-    data = table.tobytes()
-    step = 1 << 20
-    for off in range(0, len(data), step):
-        os.pwrite(fd, data[off:off + step], ix.HEADER_SIZE + off)
+    since = max(1, since)
+    if since > count:
+        since = 1  # the header went back (a file rewritten): all again
+    mm = mmap.mmap(fd, items_base(slots))
+    try:
+        table = np.ndarray((slots,), dtype=">i4", buffer=mm, offset=ix.HEADER_SIZE)
+        if since == 1:
+            step = 1 << 18
+            for lo in range(0, slots, step):  # stale slots go; holes (a fresh sparse copy) stay holes
+                if table[lo:lo + step].any():
+                    table[lo:lo + step] = 0
+        n = max(0, count - since)
+        if n:
+            raw = os.pread(fd, n * ix.ITEM_SIZE, items_base(slots) + since * ix.ITEM_SIZE)
+            n = len(raw) // ix.ITEM_SIZE
+            hashes = np.frombuffer(raw, dtype=">i4", count=n * 5).reshape(n, 5)[:, 0].astype(np.int64)
+            numbers = np.arange(since, since + n, dtype=np.int64)
+            ok = hashes >= 0  # Math.abs: a valid item never has a negative hash; a torn one is not replayed
+            where = hashes[ok] % slots
+            # the last (newest) item of each slot: unique over the reversed sequence keeps first occurrences
+            uniq, first = np.unique(where[::-1], return_index=True)
+            table[uniq] = numbers[ok][::-1][first]
+        del table
+    finally:
+        mm.close()
     return n
