@@ -232,6 +232,10 @@ def test_following_reader_sees_new_messages_within_the_rpo(tmp_path, mount_store
     # snapshot names them any more
     wait_for(lambda: status(a)["rpo"]["append_objects_deleted"] > 0, timeout=60, interval=0.5,
              what="append objects of tiered segments deleted")
+    # sealing adopted the append objects (tierfs.tier.sealcopy): chunks composed in the store, not sent again;
+    # the follower read every message byte-identical from those chunks above
+    eng = status(a)["totals"]["engine"]
+    assert 0 < eng["upload_copied_bytes"] <= eng["upload_bytes"], eng
 
 
 # ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)
@@ -486,3 +490,19 @@ def test_round_walks_once_and_a_restart_resumes_from_the_catalog(tmp_path, monke
         appendlog.materialise(store, out, row)
         assert (out / row.path).read_bytes() == (eng.hot / row.path).read_bytes(), row.path
     eng.catalog.close()
+
+
+def test_seal_plan_lays_append_objects_in_upload_order():
+    """A chunk is composed from the append objects that cover it, later ones winning where they overlap; a gap or
+    a short range before the last means no plan (the chunk is put)."""
+    from tierfs.tier.appendlog import TailObject
+    from tierfs.tier.sealcopy import plan
+
+    a, b, c = TailObject("a", 0, 100, 0), TailObject("b", 100, 100, 0), TailObject("c", 50, 20, 0)
+    assert plan((a, b), 0, 200, 0) == [(a, 0, 100), (b, 0, 100)]
+    assert plan((a, b, c), 0, 200, 0) == [(a, 0, 50), (c, 0, 20), (a, 70, 30), (b, 0, 100)]
+    assert plan((a, b), 60, 150, 0) == [(a, 60, 40), (b, 0, 50)]
+    assert plan((a, b), 0, 201, 0) is None  # beyond the last object
+    assert plan((a, TailObject("d", 120, 80, 0)), 0, 200, 0) is None  # a gap
+    assert plan((a, b, c), 0, 200, 40) is None  # c's 20 bytes before the last range
+    assert plan((a, b), 0, 200, 100) == [(a, 0, 100), (b, 0, 100)]

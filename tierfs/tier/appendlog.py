@@ -538,6 +538,11 @@ class AppendLog:
             self._retire(self.tails.pop(ino))
         return n_obj, n_bytes, failed, error
 
+    def objects_of(self, ino: int, rel: str) -> tuple[TailObject, ...]:
+        """The committed append objects of a file (by hot-dir inode and path), in upload order; () if none."""
+        t = self.tails.get(ino)
+        return tuple(t.objects) if t is not None and t.rel == rel else ()
+
     def _keys(self, t: Tail) -> list[str]:
         return [o.key for o in t.objects]
 
