@@ -506,3 +506,49 @@ def test_seal_plan_lays_append_objects_in_upload_order():
     assert plan((a, TailObject("d", 120, 80, 0)), 0, 200, 0) is None  # a gap
     assert plan((a, b, c), 0, 200, 40) is None  # c's 20 bytes before the last range
     assert plan((a, b), 0, 200, 100) == [(a, 0, 100), (b, 0, 100)]
+
+
+def test_bytes_past_a_page_not_written_back_wait_a_round(tmp_path):
+    """In process: after a round's flush, a hole amid the new bytes of an append-only segment is a page the kernel
+    has not written back yet; the bytes past it wait for the next round instead of going up as torn records. A
+    hole still there a round later was never written: then they go. Old code: uploaded past the hole at once."""
+    import trio
+
+    from tierfs.config import Config
+    from tierfs.tier.engine import Engine
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    hot = tmp_path / "hot"
+    (hot / ".tierfs").mkdir(parents=True)
+    (hot / "commitlog").mkdir()
+    eng = Engine(hot, hot / ".tierfs", Config.load(None, [f"objectstore.url=file://{objects},store.id=h"]))
+    eng.reconcile()
+    rel = "commitlog/00000000000000000000"
+    with open(hot / rel, "wb") as f:
+        f.truncate(1 << 20)
+    fd = os.open(hot / rel, os.O_WRONLY)
+    os.pwrite(fd, b"a" * 8192, 0)
+    os.pwrite(fd, b"c" * 4096, 12288)  # [8192, 12288): a hole
+    if os.lseek(fd, 0, os.SEEK_HOLE) != 8192:
+        pytest.skip("the file system of the temp dir does not keep holes")
+    log = eng.appendlog
+    log._defer_holes = True
+
+    def upload() -> int:
+        before = log.put_bytes
+        trio.run(log._upload_tails, [(rel, os.stat(hot / rel))])
+        return log.put_bytes - before
+
+    try:
+        assert upload() == 8192  # up to the hole
+        os.pwrite(fd, b"b" * 4096, 8192)  # written back now
+        assert upload() == 8192  # the page and what waited behind it
+        os.pwrite(fd, b"e" * 4096, 20480)  # a new hole at [16384, 20480)
+        assert upload() == 0
+        assert upload() == 8192  # still there a round later: never written, so the bytes past it go
+        t = next(iter(log.tails.values()))
+        assert t.committed == 24576
+    finally:
+        os.close(fd)
+        eng.catalog.close()

@@ -96,6 +96,7 @@ class Tail:
     uploaded: bool = False  # False: the first upload takes every data extent of the file
     slots: int = 0  # an IndexFile uploaded as header + items: its maxHashSlotNum (the reader rebuilds the slots)
     slots_checked: bool = False  # `slots` was checked against items (not only the file size)
+    hole: int = -1  # append-only kinds: the hole the last upload stopped at (a page not written back yet)
 
 
 def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
@@ -267,6 +268,7 @@ class AppendLog:
         self._listed_old = False
         self._adopted = False  # the tails of the last daemon (or of the point a takeover was built from) taken
         self._saved: list[tuple] = []  # the tail_offsets rows last committed to the catalog
+        self._defer_holes = True  # a round after a flush: bytes past a hole in new data wait (see _append_end)
         self.rounds = 0
         self.failed_rounds = 0
         self.puts = 0
@@ -348,6 +350,7 @@ class AppendLog:
             files = self._not_tiered(walked[1])
             if flush:
                 await self._flush(self._to_flush(files))
+            self._defer_holes = flush
             n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
             rows = self._offset_rows()
             if rows != self._saved:  # the objects are durable: a restart resumes from here
@@ -571,12 +574,15 @@ class AppendLog:
                     slots, t.slots_checked = indextail.slot_count(fd, size, self.index_geometry)
             if slots is not None:
                 ranges = self._index_ranges(fd, t, slots, committed, size, dirty)
+            elif kind in APPEND_KINDS:
+                start = committed if t.uploaded else 0
+                cut = self._append_end(fd, t, start, size)
+                # dirty pages past a hole wait with it (the new bytes from `start` cover them next round)
+                ranges = [(lo, min(hi, cut)) for lo, hi in dirty if lo < cut] + [(start, cut)]
             elif not t.uploaded or t.slots:  # first upload, or an IndexFile whose geometry no longer checks out
                 ranges = [(0, data_end(fd, 0, size))]
             else:
                 ranges = list(dirty)
-                if kind in APPEND_KINDS:
-                    ranges.append((committed, data_end(fd, committed, size)))
             t.slots = slots or 0
             ranges = coalesce(ranges, size)
             objs = []
@@ -599,6 +605,21 @@ class AppendLog:
             return objs, end
         finally:
             os.close(fd)
+
+    def _append_end(self, fd: int, t: Tail, start: int, size: int) -> int:
+        """Blocking: the end of the new bytes of an append-only file from `start`: its last data, or the first hole
+        before that when the hole is new since the last round. After the round's flush every page written before
+        the round is in the hot file, so a hole amid the new bytes is a page the kernel has not written back yet
+        (written after the flush, while later pages were): the bytes past it wait for the next round instead of
+        going up as torn records. A hole still there a round later was never written: the bytes past it go. At
+        unmount (no flush: nothing can still be written back) every byte goes."""
+        end = data_end(fd, start, size)
+        hole = os.lseek(fd, start, os.SEEK_HOLE) if self._defer_holes and end > start else end
+        if hole >= end or hole == t.hole:
+            t.hole = -1
+            return end
+        t.hole = hole
+        return hole
 
     @staticmethod
     def _index_ranges(fd: int, t: Tail, slots: int, committed: int, size: int, dirty: list[tuple[int, int]]
