@@ -329,13 +329,14 @@ def _index_file(path: Path, slots: int, items: int, keys: int, start: int = 0, b
     return buf
 
 
-def test_index_slot_table_is_rebuilt_from_items(tmp_path):
+def test_index_slot_table_is_rebuilt_from_items(tmp_path, monkeypatch):
     """The hash slots are derived data: replaying the items rebuilds them byte for byte; a file whose size fits
     the broker's 1:4 geometry by chance, but whose items do not, is not taken for one (None: uploaded whole),
     unless the configured geometry says so."""
     from tierfs.store import indexfile as ix
     from tierfs.tier import indextail
 
+    monkeypatch.setattr(indextail, "_BATCH", 333)  # items replayed in batches, as a full 20M-item file is
     buf = _index_file(tmp_path / "a", 700, 2800, 2000)
     fd = os.open(tmp_path / "a", os.O_RDWR)
     try:
