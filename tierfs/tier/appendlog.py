@@ -7,19 +7,24 @@ Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with 
 2. each segment that is not tiered uploads what was written to it since its last upload as *append objects*
    named by start offset and length,
    `<store-id>/tail/<incarnation>/<file no>/<start, 16 digits>-<length, 12 digits>.<upload no>`, crc32c in their
-   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset,
-   for every kind the ranges the daemon saw written (an IndexFile's hash slots, a recovery rewriting a tail),
-   merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
+   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset
+   (up to a hole amid them: a page not written back yet, see _append_end), for an IndexFile its header and new
+   items (tierfs.tier.indextail: readers rebuild the hash slots), for every kind the ranges the daemon saw
+   written (a recovery rewriting a tail), merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
    starts again at the last committed offset with the failed ranges (no need to ask how much of the failed one
    landed: every upload has its own key, so a late one can never overwrite what a snapshot names). Objects are
    applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired;
-3. the catalog snapshot (tierfs.tier.snapshot) goes last: mutable files (checkpoint, config/*) as its
-   content-addressed blobs, active segments as their append objects (table `snapshot_tails`), sealed ones as
-   their segment objects; its pointer is the last write, so a reader only ever sees a complete point.
+3. the upload offsets and objects of every tail go into the catalog (table tail_offsets), so a restarted
+   daemon, or the writer a takeover made, resumes from them (`_adopt`) instead of uploading every file again;
+4. the catalog snapshot (tierfs.tier.snapshot) goes last, from the same walk of the hot dir: mutable files
+   (checkpoint, config/*) as its content-addressed blobs, active segments as their append objects (table
+   `snapshot_tails`), sealed ones as their segment objects; its pointer is the last write, so a reader only ever
+   sees a complete point.
 
-A segment that becomes TIERED no longer needs its append objects: they are retired and deleted once no kept
-snapshot names them and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the
-writer a takeover replaced) are retired the same way.
+A segment that becomes TIERED no longer needs its append objects: sealing composes its chunks from them inside
+the store where it can (tierfs.tier.sealcopy), then they are retired and deleted once no kept snapshot names them
+and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the writer a takeover
+replaced) that no resumed tail names are retired the same way.
 
 The achieved RPO per kind is the age of the oldest write the bucket does not hold yet (0 when it holds all):
 `tierfs status` and the metric `tierfs_rpo_lag_seconds{kind=...}` show it.
@@ -545,9 +550,6 @@ class AppendLog:
         """The committed append objects of a file (by hot-dir inode and path), in upload order; () if none."""
         t = self.tails.get(ino)
         return tuple(t.objects) if t is not None and t.rel == rel else ()
-
-    def _keys(self, t: Tail) -> list[str]:
-        return [o.key for o in t.objects]
 
     def _retire(self, t: Tail) -> None:
         now = time.time()
