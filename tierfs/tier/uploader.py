@@ -1,7 +1,8 @@
 """The uploader: puts sealed segments into the object store, verifies them, and commits them TIERED (DESIGN §5).
 
 A segment is read from its hot file chunk by chunk (objectstore.chunk_bytes), each chunk is PUT with its crc32c
-and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
+(or composed inside the store from the append objects continuous tiering put, when they hold its exact bytes:
+tierfs.tier.sealcopy) and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
 the local bytes may be dropped only after that commit. A write during the upload voids it (write_seq moves) and
 the segment is sealed again at a new generation. Also here: the sweep of multipart uploads a crashed daemon left.
 """
