@@ -11,7 +11,8 @@ With the posix object store in the temp base dir (`--dir`, default $TMPDIR) and 
    the daemon reports it (age of the oldest write the bucket lacks, max over kinds) and the age of the bucket's
    newest consistent point (now - its snapshot time, read from the bucket itself); p50 / p99 of both (aim p99 <=
    rpo_seconds + 5 s); PUT requests per minute (append objects, snapshot blobs, .db and pointer; sealed segment
-   objects separately) and bytes uploaded per byte written;
+   objects separately) and bytes uploaded per byte written (also counting the bytes of segments sealed meanwhile
+   that were sent, not composed in the store from their append objects);
 3. takeover: kill -9 of the daemon, the hot dir removed, `tierfs mount --takeover --force HOLDER` on a new hot dir;
    figure: seconds from the command to the mount answering, and to the consumer's first complete read of the
    recovered store (the "broker accepting reads" point: checkpoint, ConsumeQueue and CommitLog tail read).
@@ -155,6 +156,7 @@ def steady(m: C.TierfsMount, objects: Path, sid: str, args: argparse.Namespace) 
     cont_bytes = (r1["append_bytes"] - r0["append_bytes"]) + (s1.get("put_bytes_total", 0)
                                                                - s0.get("put_bytes_total", 0))
     seg_bytes = e1["upload_bytes"] - e0["upload_bytes"]
+    seg_copied = e1.get("upload_copied_bytes", 0) - e0.get("upload_copied_bytes", 0)  # composed from append objects
     res = {"seconds": round(elapsed, 1), "messages": summary["messages"], "commitlog_bytes_written": written,
            "fuse_bytes_written": fuse_written,
            "rpo_lag_p50_s": pct(lag, 50), "rpo_lag_p99_s": pct(lag, 99), "rpo_lag_max_s": round(max(lag), 2),
@@ -166,6 +168,9 @@ def steady(m: C.TierfsMount, objects: Path, sid: str, args: argparse.Namespace) 
            "append_bytes_per_commitlog_byte": round((r1["append_bytes"] - r0["append_bytes"]) / written, 3)
            if written else None,
            "sealed_segment_bytes_during_steady": seg_bytes,
+           "sealed_segment_bytes_composed_in_store": seg_copied,
+           "sent_bytes_per_commitlog_byte_with_seals": round((cont_bytes + seg_bytes - seg_copied) / written, 3)
+           if written else None,
            "rounds": r1["rounds"] - r0["rounds"], "failed_rounds": r1["failed_rounds"] - r0["failed_rounds"],
            "last_round": r1.get("last_round"), "last_error": r1.get("last_error")}
     C.log(f"steady: {res}")

@@ -596,3 +596,29 @@ def test_crc32c_helpers(tmp_path):
     assert crc32c_file(p, len(data)) == 0
     with pytest.raises(ValueError):
         crc32c_file(p, len(data) - 1, 2)
+
+
+def test_compose_makes_an_object_of_ranges_of_others(store):
+    """compose: an object made inside the store of byte ranges of others (S3: UploadPartCopy, every range but the
+    last >= 5 MiB; posix: a local copy that checks the crc32c); a wrong crc32c or a missing source stores nothing."""
+    big = os.urandom(store.compose_min_part + 1000 or 3000)
+    small = os.urandom(3000)
+    store.put("src/a", big)
+    store.put("src/b", small)
+    want = big[500:] + small[:2000]
+    ranges = [("src/a", 500, len(big) - 500), ("src/b", 0, 2000)]
+    if store.compose_min_part:
+        with pytest.raises(ValueError, match="shorter than"):
+            store.compose("out", [("src/b", 0, 10), ("src/a", 0, 10)], crc32c=0)
+        ranges = [("src/a", 0, len(big)), ("src/b", 0, 2000)]
+        want = big + small[:2000]
+    info = store.compose("out", ranges, crc32c=crc32c_of(want))
+    assert info.size == len(want) and store.get("out") == want
+    assert store.head("out").crc32c == crc32c_of(want)
+    with pytest.raises(ObjectStoreError):
+        store.compose("out2", [("src/missing", 0, 10)], crc32c=0)
+    assert store.head("out2") is None
+    if not store.compose_min_part:  # posix reads the bytes: a crc32c that is not theirs is refused
+        with pytest.raises(ObjectStoreError, match="crc32c"):
+            store.compose("out3", [("src/b", 0, 100)], crc32c=crc32c_of(small[:100]) ^ 1)
+        assert store.head("out3") is None

@@ -359,6 +359,30 @@ class ObjectStore(abc.ABC):
         """
         return spool_put(self, key, chunks, metadata, spool_dir)
 
+    compose_min_part = 0  # compose: every range but the last holds at least this many bytes
+
+    def compose(self, key: str, sources: list[tuple[str, int, int]], *, crc32c: int,
+                metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """Create or replace `key` inside the store with byte ranges of objects it holds, in order: (source key,
+        offset, length) each, none of them sent by the caller (S3: UploadPartCopy; posix: a local copy). Every
+        range but the last must hold at least `compose_min_part` bytes. `crc32c`, of the result as the caller
+        knows it from its own copy, is stored as by `put`; a store that reads the bytes checks it. A failure stores
+        nothing. NotImplementedError: this store cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compose objects")
+
+    @staticmethod
+    def _check_compose(key: str, sources: list[tuple[str, int, int]], min_part: int) -> int:
+        """The composed size; ValueError for an empty list, a bad range, or a short range before the last."""
+        if not sources:
+            raise ValueError(f"compose {key!r}: no source ranges")
+        for i, (src, off, n) in enumerate(sources):
+            validate_key(src)
+            check_range(src, off, n)
+            if n <= 0 or (i < len(sources) - 1 and n < min_part):
+                raise ValueError(f"compose {key!r}: range {i} ({src!r} +{off}, {n} bytes) is empty or shorter "
+                                 f"than {min_part} bytes before the last")
+        return sum(n for _, _, n in sources)
+
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes of `key` from offset `start` (one ranged GET).

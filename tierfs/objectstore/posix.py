@@ -281,6 +281,31 @@ class PosixObjectStore(ObjectStore):
             tmp, size, crc = self._stage(dest, key, copy, meta_for)
             return self._publish(tmp, dest, key, size, crc, metas)
 
+    def compose(self, key: str, sources: list[tuple[str, int, int]], *, crc32c: int,
+                metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """ObjectStore.compose: a local copy of the ranges (each source read and checked as by get_range); the
+        crc32c of what was copied must be the given one."""
+        dest = self._path(key)
+        meta = merge_crc32c(key, metadata, crc32c)
+        self._check_compose(key, sources, 0)
+
+        def copy(fd: int) -> tuple[int, int]:
+            crc = size = 0
+            for src, off, n in sources:
+                data = self.get_range(src, off, n)
+                if len(data) != n:
+                    raise ObjectRangeError(src, off, n, None, self._where(src))
+                crc = _crc(data, crc)
+                size += _write_all(fd, data)
+            if crc != crc32c:
+                raise ObjectStoreError(key, f"compose of {self._where(key)}: the ranges have crc32c "
+                                            f"{format_crc32c(crc)}, not the given {format_crc32c(crc32c)}")
+            return size, crc
+
+        with self._errors(key, "compose"):
+            tmp, size, crc = self._stage(dest, key, copy, lambda c: meta)
+            return self._publish(tmp, dest, key, size, crc, meta)
+
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview,
                       metadata: Mapping[str, str] | None = None) -> bool:
         path = self._path(key)

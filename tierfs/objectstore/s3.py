@@ -423,6 +423,46 @@ class S3ObjectStore(ObjectStore):
             if not isinstance(source, str):
                 source.close()
 
+    compose_min_part = _MIN_PART
+
+    def compose(self, key: str, sources: list[tuple[str, int, int]], *, crc32c: int,
+                metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """ObjectStore.compose: a multipart upload whose parts are UploadPartCopy of the ranges (no byte goes
+        through this process), created with the full metadata (the crc32c is known); `head` must then report the
+        composed size. A failure aborts the upload."""
+        full = self._full(key)
+        meta = merge_crc32c(key, metadata, crc32c)
+        size = self._check_compose(key, sources, _MIN_PART)
+        resp = self._call("compose", key, self._client.create_multipart_upload, Bucket=self.bucket, Key=full,
+                          Metadata=meta)
+        upload_id = resp["UploadId"]
+        try:
+            parts = []
+            for number, (src, off, n) in enumerate(sources, 1):
+                part = self._call("compose", key, self._client.upload_part_copy, Bucket=self.bucket, Key=full,
+                                  UploadId=upload_id, PartNumber=number,
+                                  CopySource={"Bucket": self.bucket, "Key": self._full(src)},
+                                  CopySourceRange=f"bytes={off}-{off + n - 1}")
+                parts.append({"PartNumber": number, "ETag": part["CopyPartResult"]["ETag"]})
+            self._call("compose", key, self._client.complete_multipart_upload, Bucket=self.bucket, Key=full,
+                       UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self.abort_multipart(key, upload_id)
+            except ObjectStoreError as e:
+                log.warning("compose: could not abort the upload of %s: %s", self._where(key), e)
+            raise
+        return self._head_checked(key, "compose", size, crc32c)
+
+    def _head_checked(self, key: str, op: str, size: int, crc: int) -> ObjectInfo:
+        """`head` of an object just made, which must report `size` and `crc` (else ObjectStoreError)."""
+        info = self.head(key)
+        if info is None or info.size != size or info.crc32c != crc:
+            raise ObjectStoreError(key, f"{op} of {self._where(key)}: {size} bytes with crc32c "
+                                        f"{format_crc32c(crc)} made, the store reports "
+                                        f"{None if info is None else (info.size, info.metadata)}")
+        return info
+
     def put_stream(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
                    metadata: Metadata = None, spool_dir: str | None = None) -> ObjectInfo:
         """ObjectStore.put_stream, uploading while `chunks` are produced: content of at most one part is one
@@ -491,12 +531,7 @@ class S3ObjectStore(ObjectStore):
             self._call("put_stream", key, self._client.copy_object, Bucket=self.bucket, Key=full,
                        CopySource={"Bucket": self.bucket, "Key": full}, Metadata=final,
                        MetadataDirective="REPLACE")
-            info = self.head(key)
-            if info is None or info.size != size or info.crc32c != crc:
-                raise ObjectStoreError(key, f"put_stream of {self._where(key)}: sent {size} bytes with crc32c "
-                                            f"{format_crc32c(crc)}, the store reports "
-                                            f"{None if info is None else (info.size, info.metadata)}")
-            return info
+            return self._head_checked(key, "put_stream", size, crc)
         except BaseException:
             for fut in inflight:
                 fut.cancel()

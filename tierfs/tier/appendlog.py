@@ -7,19 +7,24 @@ Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with 
 2. each segment that is not tiered uploads what was written to it since its last upload as *append objects*
    named by start offset and length,
    `<store-id>/tail/<incarnation>/<file no>/<start, 16 digits>-<length, 12 digits>.<upload no>`, crc32c in their
-   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset,
-   for every kind the ranges the daemon saw written (an IndexFile's hash slots, a recovery rewriting a tail),
-   merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
+   metadata: for append-only kinds (CommitLog, ConsumeQueue, timer log) the bytes past the last committed offset
+   (up to a hole amid them: a page not written back yet, see _append_end), for an IndexFile its header and new
+   items (tierfs.tier.indextail: readers rebuild the hash slots), for every kind the ranges the daemon saw
+   written (a recovery rewriting a tail), merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
    starts again at the last committed offset with the failed ranges (no need to ask how much of the failed one
    landed: every upload has its own key, so a late one can never overwrite what a snapshot names). Objects are
    applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired;
-3. the catalog snapshot (tierfs.tier.snapshot) goes last: mutable files (checkpoint, config/*) as its
-   content-addressed blobs, active segments as their append objects (table `snapshot_tails`), sealed ones as
-   their segment objects; its pointer is the last write, so a reader only ever sees a complete point.
+3. the upload offsets and objects of every tail go into the catalog (table tail_offsets), so a restarted
+   daemon, or the writer a takeover made, resumes from them (`_adopt`) instead of uploading every file again;
+4. the catalog snapshot (tierfs.tier.snapshot) goes last, from the same walk of the hot dir: mutable files
+   (checkpoint, config/*) as its content-addressed blobs, active segments as their append objects (table
+   `snapshot_tails`), sealed ones as their segment objects; its pointer is the last write, so a reader only ever
+   sees a complete point.
 
-A segment that becomes TIERED no longer needs its append objects: they are retired and deleted once no kept
-snapshot names them and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the
-writer a takeover replaced) are retired the same way.
+A segment that becomes TIERED no longer needs its append objects: sealing composes its chunks from them inside
+the store where it can (tierfs.tier.sealcopy), then they are retired and deleted once no kept snapshot names them
+and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the writer a takeover
+replaced) that no resumed tail names are retired the same way.
 
 The achieved RPO per kind is the age of the oldest write the bucket does not hold yet (0 when it holds all):
 `tierfs status` and the metric `tierfs_rpo_lag_seconds{kind=...}` show it.
@@ -44,8 +49,9 @@ import trio
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectStoreError, validate_key
 from tierfs.store import commitlog
+from tierfs.store.indexfile import HEADER_SIZE, ITEM_SIZE
 from tierfs.store.paths import Kind, classify
-from tierfs.tier import flusher
+from tierfs.tier import flusher, indextail
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -67,7 +73,8 @@ FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 TAILS_SCHEMA = """
 CREATE TABLE snapshot_tails (path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
                              mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, objects TEXT NOT NULL);
-"""
+CREATE TABLE snapshot_index_slots (path TEXT PRIMARY KEY, slots INTEGER NOT NULL);
+"""  # snapshot_index_slots: IndexFile tails uploaded without their hash-slot table (tierfs.tier.indextail)
 
 
 def tail_prefix(store_id: str) -> str:
@@ -98,6 +105,9 @@ class Tail:
     dirty: list[tuple[int, int]] = field(default_factory=list)  # ranges written since the last upload
     uploaded: bool = False  # False: the first upload takes every data extent of the file
     trusted: int = 0  # CommitLog: its last written byte before this round's flush (every record to there is whole)
+    slots: int = 0  # an IndexFile uploaded as header + items: its maxHashSlotNum (the reader rebuilds the slots)
+    slots_checked: bool = False  # `slots` was checked against items (not only the file size)
+    hole: int = -1  # append-only kinds: the hole the last upload stopped at (a page not written back yet)
 
 
 def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
@@ -130,10 +140,29 @@ class TailRow:
     uid: int
     gid: int
     objects: tuple[TailObject, ...]
+    slots: int = 0  # > 0: an IndexFile whose hash-slot table is not in the objects; rebuilt from its items
 
     def encode(self) -> tuple:
-        objs = [[o.key, o.start, o.length, f"{o.crc:08x}"] for o in self.objects]
-        return (self.path, self.size, self.mtime_ns, self.mode, self.uid, self.gid, json.dumps(objs))
+        return (self.path, self.size, self.mtime_ns, self.mode, self.uid, self.gid, encode_objects(self.objects))
+
+
+def encode_objects(objects) -> str:
+    return json.dumps([[o.key, o.start, o.length, f"{o.crc:08x}"] for o in objects])
+
+
+def decode_objects(text: str, store_id: str, size: int) -> list[TailObject]:
+    """Append objects as encode_objects wrote them, validated (untrusted: from a bucket or a catalog): keys under
+    the store's tail prefix, ranges inside a file of `size` bytes. ValueError/TypeError say what is wrong."""
+    parsed = []
+    for key, start, length, crc in json.loads(text):
+        validate_key(key)
+        if not key.startswith(tail_prefix(store_id)):
+            raise ValueError(f"append object {key!r} is outside {tail_prefix(store_id)}")
+        if not (isinstance(start, int) and isinstance(length, int) and 0 <= start and 0 < length
+                and start + length <= size):
+            raise ValueError(f"append object {key!r} range {start!r}+{length!r} is outside the file")
+        parsed.append(TailObject(key, start, length, int(crc, 16)))
+    return parsed
 
 
 # ------------------------------------------------------------------------------------------ reader side
@@ -142,41 +171,53 @@ class TailRow:
 def load_tails(db, store_id: str) -> list[TailRow]:
     """The snapshot_tails rows of a snapshot (an sqlite3 connection), validated: untrusted input from a bucket.
     A snapshot without the table (format 1) has none."""
-    if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='snapshot_tails'").fetchone():
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "snapshot_tails" not in tables:
         return []
+    slots_of: dict[str, int] = {}
+    if "snapshot_index_slots" in tables:
+        for path, slots in db.execute("SELECT path, slots FROM snapshot_index_slots"):
+            if not (isinstance(slots, int) and 0 < slots < 1 << 31 and classify(str(path)) is Kind.INDEX):
+                raise ValueError(f"index slots row {path!r}: {slots!r} is not a hash-slot count of an IndexFile")
+            slots_of[path] = slots
     out = []
     for path, size, mtime_ns, mode, uid, gid, objs in db.execute("SELECT * FROM snapshot_tails"):
         try:
             if not (isinstance(size, int) and size >= 0 and isinstance(mtime_ns, int)):
                 raise ValueError(f"size {size!r} or mtime {mtime_ns!r} is not a valid integer")
-            parsed = []
-            for key, start, length, crc in json.loads(objs):
-                validate_key(key)
-                if not key.startswith(tail_prefix(store_id)):
-                    raise ValueError(f"append object {key!r} is outside {tail_prefix(store_id)}")
-                if not (isinstance(start, int) and isinstance(length, int) and 0 <= start and 0 < length
-                        and start + length <= size):
-                    raise ValueError(f"append object {key!r} range {start!r}+{length!r} is outside the file")
-                parsed.append(TailObject(key, start, length, int(crc, 16)))
-            out.append(TailRow(path, size, mtime_ns, int(mode), int(uid), int(gid), tuple(parsed)))
+            parsed = decode_objects(objs, store_id, size)
+            slots = slots_of.get(path, 0)
+            if slots and indextail.items_base(slots) > size:
+                raise ValueError(f"{slots} hash slots do not fit in {size} bytes")
+            out.append(TailRow(path, size, mtime_ns, int(mode), int(uid), int(gid), tuple(parsed), slots))
         except (ValueError, TypeError) as e:
             raise ValueError(f"tail row {path!r} is invalid: {e}") from None
     return out
 
 
 def materialise(store: ObjectStore, hot: Path, row: TailRow) -> int:
-    """Write a tail's append objects into its (sparse, full-size) local file, each verified by its crc32c;
-    restore its mtime. Returns the bytes written. Blocking; ObjectStoreError or ValueError on a bad object."""
-    fd = os.open(hot / row.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Write a tail's append objects into its (sparse, full-size) local file, each verified by its crc32c (an
+    IndexFile's hash slots rebuilt from its items); restore its mtime. Returns the bytes written. Blocking;
+    ObjectStoreError or ValueError on a bad object."""
+    fd = os.open(hot / row.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     n = 0
     try:
+        # IndexFile: the items the local copy's slots were built from (a follower's refresh adds to them), unless
+        # an object changes one of those
+        since = indextail.local_count(fd) if row.slots else 1
+        built = (indextail.items_base(row.slots), indextail.items_base(row.slots) + since * ITEM_SIZE)
         for o in row.objects:
             data = store.get(o.key)
             if len(data) != o.length or crc32c.crc32c(data) != o.crc:
                 raise ValueError(f"append object {o.key} of {row.path} is corrupt: {len(data)} bytes with crc32c "
                                  f"{crc32c.crc32c(data):08x}, the snapshot says {o.length} with {o.crc:08x}")
+            lo, hi = max(o.start, built[0]), min(o.end, built[1])
+            if row.slots and lo < hi and os.pread(fd, hi - lo, lo) != data[lo - o.start:hi - o.start]:
+                since = 1
             os.pwrite(fd, data, o.start)
             n += len(data)
+        if row.slots:
+            indextail.rebuild_slots(fd, row.slots, since)
         os.fsync(fd)
         os.utime(fd, ns=(row.mtime_ns, row.mtime_ns))
     finally:
@@ -227,6 +268,8 @@ class AppendLog:
         self.store = engine.store
         self.sid = engine.store_id
         self.rpo = float(engine.config["tiering.rpo_seconds"])
+        self.index_geometry = (int(engine.config["broker.max_hash_slot_num"]),
+                               int(engine.config["broker.max_index_num"]))
         self.incarnation = f"{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.tails: dict[int, Tail] = {}  # by hot-dir st_ino
         self.pending: dict[int, tuple[str, float]] = {}  # ino -> (kind, first write the bucket lacks)
@@ -234,6 +277,9 @@ class AppendLog:
         self._fileno = 0
         self._upload_no = 0
         self._listed_old = False
+        self._adopted = False  # the tails of the last daemon (or of the point a takeover was built from) taken
+        self._saved: list[tuple] = []  # the tail_offsets rows last committed to the catalog
+        self._defer_holes = True  # a round after a flush: bytes past a hole in new data wait (see _append_end)
         self.rounds = 0
         self.failed_rounds = 0
         self.puts = 0
@@ -307,20 +353,29 @@ class AppendLog:
         m0 = time.monotonic()
         try:
             await trio.to_thread.run_sync(self._verify_lease, limiter=eng.limiter)
-            files = await trio.to_thread.run_sync(self._scan)
+            if not self._adopted:
+                await self._adopt()
+            # one walk of the hot dir serves the round's uploads and its snapshot (the engine makes an AppendLog
+            # only with a snapshotter)
+            assert eng.snapshotter is not None
+            walked = await trio.to_thread.run_sync(eng.snapshotter.walk)
+            files = self._not_tiered(walked[1])
             await self._mark_written(files)
             checkpoints = await trio.to_thread.run_sync(self._read_checkpoints, limiter=eng.limiter)
             if flush:
                 await self._flush(self._to_flush(files))
+            self._defer_holes = flush
             n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
             self.checkpoints = checkpoints
-            snap = None
-            if eng.snapshotter is not None:
-                # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
-                roll = eng.snapshotter.roll_requested
-                snap = await eng.snapshotter.take(reason, force=roll)
-                if roll:
-                    eng.snapshotter.roll_requested = False
+            rows = self._offset_rows()
+            if rows != self._saved:  # the objects are durable: a restart resumes from here
+                await eng.db(eng.catalog.save_tails, rows)
+                self._saved = rows
+            # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
+            roll = eng.snapshotter.roll_requested
+            snap = await eng.snapshotter.take(reason, force=roll, walked=walked, started=t0)
+            if roll:
+                eng.snapshotter.roll_requested = False
             # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
             # means the previous one already holds it), except in files whose upload failed: the snapshot still
             # went up, naming their last committed objects, so one failing file never holds the others back
@@ -342,38 +397,95 @@ class AppendLog:
                            "files": len(files)}
         return True
 
+    # ------------------------------------------------------------------ resuming
+
+    def _offset_rows(self) -> list[tuple]:
+        """The catalog's tail_offsets rows for the tails now (on the trio thread: a consistent view)."""
+        return sorted((t.rel, t.ino, t.committed, t.slots, encode_objects(t.objects))
+                      for t in self.tails.values() if t.uploaded)
+
+    async def _adopt(self) -> None:
+        """Resume the tails the catalog names (the last daemon's, or those a takeover materialised): each is
+        registered first, so writes from now on are noted against it, then its objects are checked against the
+        local bytes; an object that no longer matches is dropped and its range uploaded again. Bytes past the
+        committed offset go up as usual. The first round then uploads only what changed, not every active file."""
+        eng = self.eng
+        rows = await eng.db(eng.catalog.load_tails)
+        adopted: list[Tail] = []
+        for rel, ino, committed, slots, objs in rows:
+            try:
+                objects = decode_objects(objs, self.sid, 1 << 62)
+            except (ValueError, TypeError) as e:
+                log.warning("tail offsets of %s in the catalog are invalid (%s); uploading it again", rel, e)
+                continue
+            if ino in self.tails or not classify(rel).is_segment:
+                continue
+            self._fileno += 1
+            t = Tail(rel, ino, self._fileno, committed, objects, uploaded=True, slots=slots)
+            self.tails[ino] = t
+            adopted.append(t)
+        stale = await trio.to_thread.run_sync(self._stale_objects, adopted, limiter=eng.limiter)
+        now = time.time()
+        for t in adopted:
+            gone = stale.get(t.ino)
+            if gone is None:
+                continue
+            if gone == "file":  # replaced or removed: the next round starts it afresh
+                self._retire(self.tails.pop(t.ino))
+                continue
+            for o in gone:
+                self.retired.setdefault(o.key, now)
+                t.dirty.append((o.start, o.end))
+            t.objects = [o for o in t.objects if o not in gone]
+        self._saved = self._offset_rows() if not stale else []
+        self._adopted = True
+        if adopted:
+            log.info("resumed %d active files from the catalog's upload offsets (%d objects to upload again)",
+                     len(adopted), sum(len(v) for v in stale.values() if v != "file"))
+
+    def _stale_objects(self, tails: list[Tail]) -> dict[int, list[TailObject] | str]:
+        """Blocking: per tail, its objects whose bytes differ from the local file ("file": the file is not it)."""
+        out: dict[int, list[TailObject] | str] = {}
+        for t in tails:
+            try:
+                fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                out[t.ino] = "file"
+                continue
+            try:
+                if os.fstat(fd).st_ino != t.ino:
+                    out[t.ino] = "file"
+                    continue
+                bad = [o for o in t.objects if crc32c.crc32c(os.pread(fd, o.length, o.start)) != o.crc]
+                if bad:
+                    out[t.ino] = bad
+            finally:
+                os.close(fd)
+        return out
+
     def _verify_lease(self) -> None:
         if self.eng.lease is not None:
             self.eng.lease.verify()
 
     # ------------------------------------------------------------------ steps
 
-    def _scan(self) -> list[tuple[str, os.stat_result]]:
-        """Blocking: every regular file of the hot dir that is not tiered (those may hold unwritten pages)."""
-        eng = self.eng
+    def _not_tiered(self, stats: dict[str, os.stat_result]) -> list[tuple[str, os.stat_result]]:
+        """The walked regular files that are not tiered (those may hold unwritten pages). On the trio thread."""
         out = []
-        stack = [""]
-        while stack:
-            d = stack.pop()
+        for rel, st in stats.items():
+            e = self.eng.entries.get(rel)
+            if e is None or e.state is not State.TIERED:
+                out.append((rel, st))
+        return out
+
+    def restat(self) -> dict[str, os.stat_result | None]:
+        """Blocking: the lstat of every tail's file now (None: gone), for a snapshot reusing the round's walk."""
+        out: dict[str, os.stat_result | None] = {}
+        for t in list(self.tails.values()):
             try:
-                it = os.scandir(eng.hot / d if d else eng.hot)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            with it:
-                for ent in it:
-                    rel = f"{d}/{ent.name}" if d else ent.name
-                    if not d and Path(ent.path) == eng.state_dir:
-                        continue
-                    try:
-                        st = ent.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(rel)
-                    elif stat.S_ISREG(st.st_mode):
-                        e = eng.entries.get(rel)
-                        if e is None or e.state is not State.TIERED:
-                            out.append((rel, st))
+                out[t.rel] = os.lstat(self.eng.hot / t.rel)
+            except FileNotFoundError:
+                out[t.rel] = None
         return out
 
     async def _mark_written(self, files: list[tuple[str, os.stat_result]]) -> None:
@@ -483,8 +595,10 @@ class AppendLog:
             self._retire(self.tails.pop(ino))
         return n_obj, n_bytes, failed, error
 
-    def _keys(self, t: Tail) -> list[str]:
-        return [o.key for o in t.objects]
+    def objects_of(self, ino: int, rel: str) -> tuple[TailObject, ...]:
+        """The committed append objects of a file (by hot-dir inode and path), in upload order; () if none."""
+        t = self.tails.get(ino)
+        return tuple(t.objects) if t is not None and t.rel == rel else ()
 
     def _retire(self, t: Tail) -> None:
         now = time.time()
@@ -503,19 +617,30 @@ class AppendLog:
             size = st.st_size
             committed = min(t.committed, size)
             kind = classify(t.rel)
+            slots = None
+            if kind is Kind.INDEX:  # once checked against items, an IndexFile's geometry stays
+                if t.slots_checked:
+                    slots = t.slots
+                else:
+                    slots, t.slots_checked = indextail.slot_count(fd, size, self.index_geometry)
             if kind is Kind.COMMITLOG:
                 # only whole records: a copy must never hold a record whose last pages are still zeros
                 committed, limit = self._complete_end(fd, t, committed, size)
-                ranges = [(0, limit)] if not t.uploaded else list(dirty) + [(committed, limit)]
-                ranges = coalesce(ranges, limit)
+                ranges = coalesce([(0, limit)] if not t.uploaded else list(dirty) + [(committed, limit)], limit)
             else:
-                if not t.uploaded:
+                if slots is not None:
+                    ranges = self._index_ranges(fd, t, slots, committed, size, dirty)
+                elif kind in APPEND_KINDS:
+                    start = committed if t.uploaded else 0
+                    cut = self._append_end(fd, t, start, size)
+                    # dirty pages past a hole wait with it (the new bytes from `start` cover them next round)
+                    ranges = [(lo, min(hi, cut)) for lo, hi in dirty if lo < cut] + [(start, cut)]
+                elif not t.uploaded or t.slots:  # first upload, or an IndexFile whose geometry no longer checks out
                     ranges = [(0, data_end(fd, 0, size))]
                 else:
                     ranges = list(dirty)
-                    if kind in APPEND_KINDS:
-                        ranges.append((committed, data_end(fd, committed, size)))
                 ranges = coalesce(ranges, size)
+            t.slots = slots or 0
             objs = []
             end = max([committed] + [hi for _, hi in ranges])
             for off, n in ((o, min(MAX_OBJECT, hi - o)) for lo, hi in ranges for o in range(lo, hi, MAX_OBJECT)):
@@ -572,6 +697,38 @@ class AppendLog:
             pos = end
         return pos
 
+    def _append_end(self, fd: int, t: Tail, start: int, size: int) -> int:
+        """Blocking: the end of the new bytes of an append-only file from `start`: its last data, or the first hole
+        before that when the hole is new since the last round. After the round's flush every page written before
+        the round is in the hot file, so a hole amid the new bytes is a page the kernel has not written back yet
+        (written after the flush, while later pages were): the bytes past it wait for the next round instead of
+        going up as torn records. A hole still there a round later was never written: the bytes past it go. At
+        unmount (no flush: nothing can still be written back) every byte goes."""
+        end = data_end(fd, start, size)
+        hole = os.lseek(fd, start, os.SEEK_HOLE) if self._defer_holes and end > start else end
+        if hole >= end or hole == t.hole:
+            t.hole = -1
+            return end
+        t.hole = hole
+        return hole
+
+    @staticmethod
+    def _index_ranges(fd: int, t: Tail, slots: int, committed: int, size: int, dirty: list[tuple[int, int]]
+                      ) -> list[tuple[int, int]]:
+        """An IndexFile as header + items (tierfs.tier.indextail): the items appended past the committed offset,
+        items rewritten (dirty ranges in the items region), and the header when anything changed. The hash-slot
+        table never goes up: the reader rebuilds it."""
+        base = indextail.items_base(slots)
+        lo = max(committed, base) if t.uploaded and t.slots == slots else base
+        lo -= (lo - base) % ITEM_SIZE  # whole items: data_end trimmed the zero bytes an item may end with
+        ranges = [(max(a, base), b) for a, b in dirty if b > base]
+        end = data_end(fd, lo, size)
+        if end > lo:
+            ranges.append((lo, min(size, end + (base - end) % ITEM_SIZE)))
+        if ranges or dirty or not t.uploaded:
+            ranges.append((0, HEADER_SIZE))
+        return ranges
+
     def snapshot_rows(self, stats: dict[str, os.stat_result]) -> dict[str, TailRow]:
         """The tails a snapshot taken now names (only files whose inode is still the tail's). On the trio
         thread: a consistent view of the committed objects."""
@@ -584,7 +741,7 @@ class AppendLog:
             if any(o is None for o in objs):
                 continue  # shrunk below an object: a blob of it this time
             out[t.rel] = TailRow(t.rel, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_uid,
-                                 st.st_gid, objs)  # type: ignore[arg-type]
+                                 st.st_gid, objs, t.slots)  # type: ignore[arg-type]
         return out
 
     def _collect(self) -> None:
@@ -593,8 +750,9 @@ class AppendLog:
         now = time.time()
         if not self._listed_old:
             mine = f"{tail_prefix(self.sid)}{self.incarnation}/"
+            named = {o.key for t in list(self.tails.values()) for o in t.objects}  # adopted ones stay
             for info in self.store.list(tail_prefix(self.sid)):
-                if not info.key.startswith(mine):
+                if not info.key.startswith(mine) and info.key not in named:
                     self.retired.setdefault(info.key, now)
             self._listed_old = True
         grace = float(self.eng.config["delete.grace_seconds"])

@@ -123,6 +123,13 @@ CREATE TABLE IF NOT EXISTS artifacts (
     created REAL NOT NULL,
     PRIMARY KEY (path, kind)
 );
+CREATE TABLE IF NOT EXISTS tail_offsets (
+    path TEXT PRIMARY KEY,
+    ino INTEGER NOT NULL,
+    committed INTEGER NOT NULL,
+    slots INTEGER NOT NULL,
+    objects TEXT NOT NULL
+);
 """
 
 
@@ -239,6 +246,18 @@ class Catalog:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def save_tails(self, rows: list[tuple[str, int, int, int, str]]) -> None:
+        """The append objects of every active segment (tierfs.tier.appendlog), all in one transaction, once they
+        are durable: (path, hot-dir inode, committed offset, IndexFile hash slots, objects as JSON). A restart
+        resumes from them instead of uploading every active file again."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM tail_offsets")
+            db.executemany("INSERT INTO tail_offsets VALUES (?, ?, ?, ?, ?)", rows)
+
+    def load_tails(self) -> list[tuple[str, int, int, int, str]]:
+        with self._lock:
+            return self._db.execute("SELECT path, ino, committed, slots, objects FROM tail_offsets").fetchall()
 
     def _queue_locked(self, keys: list[str], not_before: float) -> None:
         self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])

@@ -71,8 +71,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierfs.snapshot")
 
-FORMAT = 2  # 2: active files may be tails of append objects (table snapshot_tails, tierfs.tier.appendlog)
-READABLE_FORMATS = (1, 2)
+FORMAT = 3  # 2: active files may be tails of append objects (table snapshot_tails, tierfs.tier.appendlog);
+# 3: an IndexFile tail may lack its hash-slot table (table snapshot_index_slots: the reader rebuilds it)
+READABLE_FORMATS = (1, 2, 3)
 KEEP = 3
 FINAL_TIMEOUT_S = 45.0  # `tierfs umount` waits 60 s for the daemon to exit
 MARKER = "readonly.json"  # in the state dir of a read-only cache
@@ -225,7 +226,7 @@ def _rows_and_digest(tiered: dict[str, Entry], stats: dict[str, os.stat_result],
     """Every snapshot_files row, a digest of what a reader would see (an unchanged store is not uploaded again),
     and the sha256 of every blob the rows use."""
     rows = {**blobs, **{rel: _file_row(e, stats[rel]) for rel, e in tiered.items()}}
-    tail_rows = sorted(t.encode() for t in (tails or {}).values())
+    tail_rows = sorted(t.encode() + (t.slots,) for t in (tails or {}).values())
     digest = hashlib.sha256(repr((sorted(rows.items()), sorted(tree), tail_rows)).encode()).digest()
     used = {k[len(blob_pre):] for r in blobs.values() for k in json.loads(r[_OBJECTS]) if k.startswith(blob_pre)}
     return rows, digest, used
@@ -298,20 +299,33 @@ class Snapshotter:
 
     # ------------------------------------------------------------------ one snapshot
 
-    async def take(self, reason: str, force: bool = False) -> dict | None:
-        """Take, upload and publish one snapshot; None when it would equal the previous one (unless forced)."""
+    async def take(self, reason: str, force: bool = False,
+                   walked: tuple[list[tuple], dict[str, os.stat_result]] | None = None,
+                   started: float | None = None) -> dict | None:
+        """Take, upload and publish one snapshot; None when it would equal the previous one (unless forced).
+        `walked`: the hot dir as `walk` found it earlier in a continuous-tiering round that started at `started`
+        (the tails are stat'ed again: their append objects were uploaded since), so a round walks it once."""
         async with self._lock:
             t0 = time.monotonic()
-            started = time.time()
+            started = time.time() if started is None or walked is None else started
             tmp = self.eng.state_dir / "snapshot.tmp.db"
             await trio.to_thread.run_sync(self._backup, tmp)
-            tree, stats = await trio.to_thread.run_sync(self._walk)
+            alog = getattr(self.eng, "appendlog", None)
+            if walked is None:
+                tree, stats = await trio.to_thread.run_sync(self.walk)
+            else:
+                tree, stats = walked[0], dict(walked[1])
+                if alog is not None:
+                    for rel, st in (await trio.to_thread.run_sync(alog.restat)).items():
+                        if st is None:
+                            stats.pop(rel, None)
+                        else:
+                            stats[rel] = st
             # on the loop only what must be consistent with the engine: which files are tiered, as shallow
             # copies (object lists are replaced, never mutated); rows are serialised in a worker thread
             tiered: dict[str, Entry] = {}
             blobs: dict[str, tuple] = {}
             todo: dict[str, int] = {}
-            alog = getattr(self.eng, "appendlog", None)
             tails = alog.snapshot_rows(stats) if alog is not None else {}  # active files as append objects
             # with append objects, the broker's checkpoint as read before they were (see appendlog.CHECKPOINT_FILES)
             frozen = dict(alog.checkpoints) if tails else {}
@@ -389,7 +403,7 @@ class Snapshotter:
         finally:
             src.close()
 
-    def _walk(self) -> tuple[list[tuple], dict[str, os.stat_result]]:
+    def walk(self) -> tuple[list[tuple], dict[str, os.stat_result]]:
         """(directories and symlinks as snapshot_tree rows, regular files with their lstat) of the hot dir."""
         tree: list[tuple] = []
         files: dict[str, os.stat_result] = {}
@@ -531,6 +545,8 @@ class Snapshotter:
             db.executemany("INSERT INTO snapshot_tree VALUES (?, ?, ?, ?, ?, ?, ?)", tree)
             db.executemany("INSERT INTO snapshot_tails VALUES (?, ?, ?, ?, ?, ?, ?)",
                            [t.encode() for t in (tails or {}).values()])
+            db.executemany("INSERT INTO snapshot_index_slots VALUES (?, ?)",
+                           [(t.path, t.slots) for t in (tails or {}).values() if t.slots])
             info = {"format": FORMAT, "seq": seq, "time": started, "reason": reason, "store_id": self.sid,
                     "host": os.uname().nodename, "hot_dir": str(self.eng.hot)}
             db.executemany("INSERT INTO snapshot_info VALUES (?, ?)", [(k, json.dumps(v)) for k, v in info.items()])

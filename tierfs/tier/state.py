@@ -54,6 +54,7 @@ class WorkerStats:
 class EngineStats:
     uploads: int = 0
     upload_bytes: int = 0
+    upload_copied_bytes: int = 0  # of upload_bytes: composed in the store from append objects, not sent again
     upload_failures: int = 0
     fetches: int = 0
     fetch_bytes: int = 0

@@ -8,7 +8,8 @@ On a machine with an empty HOT_DIR, before the engine opens its catalog:
 2. read the newest consistent point (catalog snapshot pointer, written last by the old writer's round);
 3. build the hot dir: directories and symlinks; sealed segments as sparse files whose catalog rows are TIERED
    (fetched on demand); mutable files (checkpoint, config/*, IndexFiles) from their content-addressed blobs and
-   active segments from their append objects, local and whole, every block checked by its crc32c;
+   active segments from their append objects, local and whole, every block checked by its crc32c (their upload
+   offsets go into the catalog: the new writer's first round uploads only what changed since);
 4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes (due after
    the grace period) and pipeline artifacts, and an id sequence moved far above the old writer's, so an object
    key it may still have put after the snapshot is never one of ours.
@@ -87,8 +88,9 @@ def _write_blob_file(store: ObjectStore, hot: Path, e: Entry) -> int:
     return e.size
 
 
-def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float) -> int:
-    """The new writer's catalog: TIERED rows, the old writer's queued deletes and artifacts, ids moved up."""
+def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tails: list[tuple]) -> int:
+    """The new writer's catalog: TIERED rows, the old writer's queued deletes and artifacts, ids moved up, and the
+    upload offsets of the active tails (their append objects are the point's: the first round resumes from them)."""
     path = state / "catalog.db"
     for suffix in ("", "-wal", "-shm"):
         Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -97,6 +99,7 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float) -> i
     try:
         cat.put_many([dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
                                           state_since=now, ino=0) for e in tiered], [], 0.0)
+        cat.save_tails(tails)
     finally:
         cat.close()
     db = sqlite3.connect(str(path), isolation_level=None)
@@ -173,7 +176,9 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
             local_bytes += appendlog.materialise(store, hot, t)
     except (ObjectStoreError, ValueError) as e:
         raise TakeoverError(f"takeover from snapshot {ptr.seq} failed: {e}; the hot dir is rebuilt next time")
-    nxt = _catalog(state, snap_db, tiered, grace)
+    offsets = [(t.path, os.lstat(hot / t.path).st_ino, max((o.end for o in t.objects), default=0), t.slots,
+                appendlog.encode_objects(t.objects)) for t in tails]
+    nxt = _catalog(state, snap_db, tiered, grace, offsets)
     snap_db.unlink(missing_ok=True)
     info = {"done": True, "seq": ptr.seq, "time": ptr.time, "writer": ptr.writer, "epoch": lease.epoch,
             "overrode": cur.holder if cur is not None and cur.live(time.time()) else "",

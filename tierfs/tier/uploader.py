@@ -1,7 +1,8 @@
 """The uploader: puts sealed segments into the object store, verifies them, and commits them TIERED (DESIGN §5).
 
 A segment is read from its hot file chunk by chunk (objectstore.chunk_bytes), each chunk is PUT with its crc32c
-and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
+(or composed inside the store from the append objects continuous tiering put, when they hold its exact bytes:
+tierfs.tier.sealcopy) and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
 the local bytes may be dropped only after that commit. A write during the upload voids it (write_seq moves) and
 the segment is sealed again at a new generation. Also here: the sweep of multipart uploads a crashed daemon left.
 """
@@ -21,7 +22,7 @@ import trio
 
 from tierfs import failpoints
 from tierfs.objectstore.base import ObjectStoreError
-from tierfs.tier import layout
+from tierfs.tier import layout, sealcopy
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
 from tierfs.tier.state import ShortRead
@@ -205,9 +206,13 @@ class Uploader:
         failed: list[tuple[str, Exception]] = []
 
         async def put(i: int, e: Entry) -> None:
+            # the append objects continuous tiering holds for it (taken here, on the loop: a consistent list)
+            tail = eng.appendlog.objects_of(e.ino, e.path) if eng.appendlog is not None else ()
+            copied = [0]
             try:  # one big segment: its own thread, as ever; small ones: bounded, so readers keep store slots
                 results[i] = await trio.to_thread.run_sync(
-                    self.upload_blocking, e, limiter=self._small_limiter if len(batch) > 1 else None)
+                    self.upload_blocking, e, tail, copied, limiter=self._small_limiter if len(batch) > 1 else None)
+                eng.stats.upload_copied_bytes += copied[0]
             except ShortRead as err:
                 results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
             except (ObjectStoreError, OSError, ValueError) as err:
@@ -285,8 +290,11 @@ class Uploader:
             if eng.is_live(e) and eng.tiered.get(e.ino) is not e:
                 eng.become(e, row)
 
-    def upload_blocking(self, e: Entry) -> tuple[int, list[int], list[str]]:
-        """Read the hot file chunk by chunk, PUT each chunk, verify, and return (crc, block crcs, keys)."""
+    def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None
+                        ) -> tuple[int, list[int], list[str]]:
+        """Read the hot file chunk by chunk, PUT each chunk (or compose it in the store from the append objects
+        `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied`), verify, and
+        return (crc, block crcs, keys)."""
         eng = self.eng
         keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
         crc = 0
@@ -298,6 +306,7 @@ class Uploader:
                 raise ShortRead(keys, f"{e.path} was replaced since it was sealed")
             # TIERED says every block is resident: the bytes must be durable before that commit
             os.fdatasync(fd)
+            same: dict[str, bool] = {}  # append object -> holds the local bytes
             for i, key in enumerate(keys):
                 off = i * e.chunk_bytes
                 data = os.pread(fd, min(e.chunk_bytes, e.size - off), off)
@@ -308,9 +317,10 @@ class Uploader:
                 crc = crc32c.crc32c(data, crc)
                 mv = memoryview(data)
                 block_crcs += [crc32c.crc32c(mv[b:b + e.block_bytes]) for b in range(0, len(data), e.block_bytes)]
-                if self.bandwidth is not None:
-                    self.bandwidth.acquire(len(data))  # shared by every uploader thread
-                eng.store.put(key, data, metadata={"crc32c": f"{chunk_crc:08x}"})
+                if not self._compose(fd, key, off, len(data), chunk_crc, tail, same, copied):
+                    if self.bandwidth is not None:
+                        self.bandwidth.acquire(len(data))  # shared by every uploader thread
+                    eng.store.put(key, data, metadata={"crc32c": f"{chunk_crc:08x}"})
                 failpoints.hit("tier.chunk_put")
                 if verify_full:
                     back = eng.store.get(key)
@@ -323,6 +333,26 @@ class Uploader:
         finally:
             os.close(fd)
         return crc, block_crcs, keys
+
+    def _compose(self, fd: int, key: str, off: int, n: int, crc: int, tail: tuple, same: dict[str, bool],
+                 copied: list[int] | None) -> bool:
+        """Blocking: make chunk `key` ([off, off+n) of the file) in the store from append objects that hold its
+        bytes. False when they cannot (the caller puts it)."""
+        if not tail:
+            return False
+        ranges = sealcopy.plan(tail, off, off + n, self.eng.store.compose_min_part)
+        if ranges is None or not all(sealcopy.matches(fd, o, same) for o, _, _ in ranges):
+            return False
+        try:
+            self.eng.store.compose(key, [(o.key, start, length) for o, start, length in ranges], crc32c=crc)
+        except NotImplementedError:
+            return False
+        except ObjectStoreError as err:  # e.g. an append object deleted meanwhile: put it as ever
+            log.info("composing %s from append objects failed (%s); uploading it", key, err)
+            return False
+        if copied is not None:
+            copied[0] += n
+        return True
 
     # ------------------------------------------------------------------ multipart uploads a crash left
 
