@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
-PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
+PREFETCH_GROUP_BYTES = 16 << 20  # one read-ahead GET (a default chunk object): per-request costs stop mattering
 NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets no generic read-ahead this long
 NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
