@@ -39,6 +39,7 @@ from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
 
 if TYPE_CHECKING:
+    from tierfs.objectstore.base import ObjectStore
     from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.tier")
@@ -77,10 +78,12 @@ def _get_checked(store: ObjectStore, key: str, start: int, length: int, first: i
     return data, first_bad_block(first, data, crcs, lens)
 
 
-def _decode_checked(footer: "lz4c.Footer", first: int, n: int, packed: bytes, crcs: list[int],
-                    lens: list[int]) -> tuple[bytes, int | None]:
-    """Blocking: decompress the lz4 blocks of an lz4c object's range, and check their crc32c."""
-    data = lz4c.decode_blocks(footer, first, n, packed)
+def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
+                         lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: one ranged GET of the lz4 blocks covering blocks [first, first+n) of an lz4c object, their
+    decompression and crc32c check, all in the one worker thread (one hop to the loop and back per GET)."""
+    off, length = lz4c.block_span(footer, first, n)
+    data = lz4c.decode_blocks(footer, first, n, store.get_range(key, off, length))
     return data, first_bad_block(first, data, crcs, lens)
 
 
@@ -382,9 +385,7 @@ class BlockCache:
         lens = [e.block_len(b) for b in range(first, first + n)]
         if e.format == "lz4c":
             footer = await self._footer(key)
-            off, length = lz4c.block_span(footer, first, n)
-            packed = await self.eng.io(store.get_range, key, off, length)
-            return await trio.to_thread.run_sync(_decode_checked, footer, first, n, packed, crcs, lens)
+            return await self.eng.io(_get_decoded_checked, store, key, footer, first, n, crcs, lens)
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
         return await self.eng.io(_get_checked, store, key, start, sum(lens), first, crcs, lens)
 
