@@ -152,3 +152,41 @@ def test_consumequeue_page_prefetches_the_commitlog_records_it_names(mount_store
             os.close(fd)
     assert e3["reads_waited"] == e2["reads_waited"]  # every record was in memory already
     assert e3["fetches"] == e2["fetches"]
+
+
+def test_block_buffers_are_reused_held_and_given_back_when_idle():
+    """Fetch buffers go back to their free list only when the last holder (fetch, pool, install) lets go, are
+    reused from there, and leave once no fetch needed them for IDLE_SECONDS. Pure bookkeeping, no mount."""
+    from tierfs.tier.bufferpool import IDLE_SECONDS, BufferPool
+
+    pool = BufferPool(budget=2 * MiB)
+    bufs = pool.buffers
+    a = bufs.take(MiB)
+    pool.put((1, 1, 0), a.view, unread=True, buf=a)  # the pool holds it too
+    bufs.hold(a)  # and an install
+    bufs.release(a)  # the fetch lets go
+    assert bufs.free_bytes == 0
+    pool.discard((1, 1, 0))
+    assert bufs.free_bytes == 0  # the install still writes from it
+    bufs.release(a)
+    assert bufs.free_bytes == MiB
+    assert bufs.take(MiB) is a and bufs.free_bytes == 0  # reused, not a fresh allocation
+    b = bufs.take(MiB)
+    assert b is not a
+    pool.put((1, 1, 1), a.view, unread=False, buf=a)
+    pool.put((1, 1, 2), b.view, unread=False, buf=b)
+    bufs.release(a)
+    bufs.release(b)
+    pool.put((1, 1, 3), memoryview(bytearray(MiB)), unread=False)  # over budget: the oldest block goes
+    assert (1, 1, 1) not in pool and bufs.free_bytes == MiB
+    pool.discard_file(1)
+    assert bufs.free_bytes == 2 * MiB
+    bufs.trim(1000.0)  # first look: nothing was idle for a whole interval yet
+    assert bufs.free_bytes == 2 * MiB
+    bufs.release(bufs.take(MiB))  # one is cycled meanwhile: kept; the other stayed idle: goes
+    bufs.trim(1000.0 + IDLE_SECONDS / 2)  # too soon
+    assert bufs.free_bytes == 2 * MiB
+    bufs.trim(1000.0 + IDLE_SECONDS)
+    assert bufs.free_bytes == MiB
+    bufs.trim(1000.0 + 2 * IDLE_SECONDS)
+    assert bufs.free_bytes == 0
