@@ -13,6 +13,7 @@ generation of a file is never served for a newer one.
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 
 Key = tuple[int, int, int]  # (file id, generation, block)
@@ -21,12 +22,15 @@ IDLE_SECONDS = 30.0  # free buffers no fetch needed for this long are given back
 
 class Buffer:
     """One reusable block buffer. `refs` counts its holders: the fetch filling it, the pool entry serving it, a
-    hot-file install writing it. At zero it goes back to its free list."""
+    hot-file install writing it. At zero it goes back to its free list.
+
+    Anonymous mmap, not bytearray: a bytearray is zeroed where it is made, on the trio thread (page faults and a
+    memset per MiB on the loop); an mmap's pages are faulted in by the worker thread whose GET first fills them."""
 
     __slots__ = ("view", "refs")
 
     def __init__(self, size: int):
-        self.view = memoryview(bytearray(size))
+        self.view = memoryview(mmap.mmap(-1, size))
         self.refs = 0
 
 
