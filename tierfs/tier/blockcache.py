@@ -292,8 +292,8 @@ class BlockCache:
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
         budget = int(self.eng.config["readahead.budget_bytes"])
         # The window slides by the one block each read uncovers; extend it to the end of its aligned group, so
-        # each GET brings a whole group (PREFETCH_GROUP_BYTES) instead of one block per read.
-        group = max(1, PREFETCH_GROUP_BYTES // e.block_bytes)
+        # each GET brings a whole group instead of one block per read.
+        group = self._group_blocks(e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
         fid, gen, pool = e.file_id, e.generation, self.pool
         want = [b for b in range(start, hi)
@@ -306,6 +306,12 @@ class BlockCache:
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
             self._start_fetch(e, first, n, prefetch=True, scan=True)
+
+    def _group_blocks(self, block_bytes: int) -> int:
+        """Blocks per read-ahead GET: PREFETCH_GROUP_BYTES, or a quarter of readahead.budget_bytes when that is
+        less (a GET larger than the budget would never start, and one as large as it would leave no room)."""
+        budget = int(self.eng.config["readahead.budget_bytes"])
+        return max(1, min(PREFETCH_GROUP_BYTES, budget // 4) // block_bytes)
 
     def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
@@ -352,7 +358,7 @@ class BlockCache:
             fid, gen, pool = c.file_id, c.generation, self.pool
             todo = [b for b in blocks if not c.is_resident(b) and (fid, gen, b) not in self.inflight
                     and (fid, gen, b) not in pool]
-            for first, n in block_runs(c, todo, max(1, PREFETCH_GROUP_BYTES // c.block_bytes)):
+            for first, n in block_runs(c, todo, self._group_blocks(c.block_bytes)):
                 nbytes = n * c.block_bytes
                 if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                     return
