@@ -18,6 +18,9 @@ objectstore.url=s3://BUCKET/tierfs on it (small cache budget, short seal times),
          read (engine counters reads_local / (reads_local + reads_waited)); aim >= 95 %.
   rand   Random 4 KiB reads of the evicted file (distinct blocks, never near the previous read, fadvise RANDOM):
          p50 / p99 latency through the mount vs. a boto3 4 KiB ranged GET of the same bytes.
+  multi  With --readers N: N evicted segments of --size (N-1 more written the same way) read sequentially at
+         once, one thread each, vs boto3 ranged GETs of all their chunk objects with the same total concurrency
+         (aim >= 0.9); the daemon's peak RSS over the phase (aim <= readahead.budget_bytes + 200 MiB).
   ceiling  Context, no aim: the same bytes as a never-tiered file in the same mount (backing file in the page
          cache, as RGW's memstore holds its objects in RAM), read the same way: what the FUSE path alone allows.
 
@@ -35,6 +38,7 @@ report adds same-run ratios this tree / that tree (sequential MB/s, daemon CPU, 
     .venv/bin/python bench/cold_read.py --repeat 3 --json out.json
     .venv/bin/python bench/cold_read.py --size 256MiB -o readahead.max_blocks=128 --py-spy /tmp/prof
     .venv/bin/python bench/cold_read.py --size 256MiB --no-rclone --ab-src /work/wt/base13 --repeat 3
+    .venv/bin/python bench/cold_read.py --size 64MiB --readers 8 --no-rclone --no-ceiling --repeat 2
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ AIMS = {"boto3": 0.9, "rclone": 1.5, "local": 0.95}
 # ======================================================================================== the segment
 
 
-def write_commitlog_segment(path: Path, size: int, seed: int = 7, topics: int = 2, queues: int = 4) -> dict:
-    """A sealed CommitLog segment as the broker leaves it at a roll: records back to back from 0 (bodies of
+def write_commitlog_segment(path: Path, size: int, seed: int = 7, topics: int = 2, queues: int = 4,
+                            base_offset: int = 0) -> dict:
+    """A sealed CommitLog segment as the broker leaves it at a roll (the one starting at CommitLog offset
+    `base_offset`, which is its file name): records back to back from 0 (bodies of
     512..1536 bytes cut from a seeded random pool, real PHYSICALOFFSET/QUEUEOFFSET/timestamps, KEYS, UNIQ_KEY and
     TAGS properties), then the BLANK whose TOTALSIZE is what remains, then zeros. Checked with the seal rule."""
     rnd = random.Random(seed)
@@ -104,7 +110,7 @@ def write_commitlog_segment(path: Path, size: int, seed: int = 7, topics: int = 
             if base + pos + total + cl.BLANK_SIZE > size:
                 break
             packers[t].pack_into(buf, pos, body, props, queue_id=q, queue_offset=qoff[t][q],
-                                 physical_offset=base + pos, store_timestamp=ts + seq // 100,
+                                 physical_offset=base_offset + base + pos, store_timestamp=ts + seq // 100,
                                  born_timestamp=ts + seq // 100)
             qoff[t][q] += 1
             pos += total
@@ -282,6 +288,89 @@ class RcloneMount:
         if C._mounted(self.mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True, check=False)
         shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+# ======================================================================================== concurrent readers
+
+
+def multi_segments(size: int, readers: int) -> list[str]:
+    """The CommitLog segments the concurrent readers read: the bench segment and the ones after it."""
+    return [f"commitlog/{i * size:020d}" for i in range(readers)]
+
+
+def write_multi_segments(mnt: C.TierfsMount, base: Path, size: int, readers: int) -> dict[str, list[int]]:
+    """Segments 2..N of the concurrent-reader phase, written through the mount like the first; their per-MiB
+    crc32c lists (the first segment's is the caller's)."""
+    crcs: dict[str, list[int]] = {}
+    for i, rel in enumerate(multi_segments(size, readers)[1:], start=1):
+        ref = base / f"reference-segment-{i}"
+        write_commitlog_segment(ref, size, seed=7 + i, base_offset=i * size)
+        crcs[rel] = piece_crcs(ref)
+        with open(ref, "rb") as src, open(mnt.mnt / rel, "wb") as dst:
+            shutil.copyfileobj(src, dst, MiB)
+            dst.flush()
+            os.fsync(dst.fileno())
+        ref.unlink()
+    return crcs
+
+
+def wait_all_evicted(mnt: C.TierfsMount, rels: list[str], timeout: float = 600, settle: float = 5.0) -> int:
+    """Like wait_evicted, for all of `rels`: tiered, and nothing resident, or what stays resident (kept within
+    cache.max_bytes) unchanged for `settle` seconds. Returns the bytes resident."""
+    budget = int(mnt.config().get("cache.max_bytes", 0))
+    seen: list = [None, time.monotonic()]
+
+    def resident() -> int | None:
+        files = {f["path"]: f for f in mnt.status().get("files", [])}
+        if not all(files.get(r, {}).get("state") == "tiered" for r in rels):
+            return None
+        return sum(int(files[r].get("resident_bytes", 0)) for r in rels)
+
+    def evicted() -> bool:
+        res = resident()
+        if res is None:
+            return False
+        if res == 0:
+            return True
+        if res != seen[0]:
+            seen[:] = [res, time.monotonic()]
+            return False
+        return res <= budget and time.monotonic() - seen[1] >= settle
+
+    wait_until(evicted, timeout, f"{len(rels)} segments tiered and evicted")
+    return resident() or 0
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM afresh (/proc/PID/clear_refs, 5), so the peak is the one of the phase measured next."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def run_multi_boto3(mnt: C.TierfsMount, client, bucket: str, crcs: dict[str, list[int]], chunk: int, size: int,
+                    parts: list[int], conc: int) -> dict:
+    """The same bytes by ranged GETs of all the segments' chunk objects, `conc` in flight in all, best part size
+    (the segments one after the other in the list: the GETs in flight span several of them)."""
+    files = {f["path"]: f for f in mnt.status().get("files", [])}
+    keys = [f"tierfs/{k}" for rel in crcs for k in files[rel]["objects"]]
+    all_crcs = [c for rel in crcs for c in crcs[rel]]
+    return run_boto3_seq(client, bucket, keys, chunk, len(crcs) * size, parts, conc, all_crcs)
+
+
+def run_tierfs_multi(mnt: C.TierfsMount, crcs: dict[str, list[int]], size: int) -> dict:
+    """Every segment read sequentially at once, one thread per segment (each verified): aggregate MB/s, daemon
+    CPU and its peak RSS over the phase (aim: within readahead.budget_bytes + 200 MiB)."""
+    rels = list(crcs)
+    resident = wait_all_evicted(mnt, rels)
+    reset_peak_rss(mnt.pid)
+    cpu0 = C.proc_cpu_seconds(mnt.pid)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(rels)) as pool:
+        each = list(pool.map(lambda r: read_file_sequential(mnt.mnt / r, crcs[r], size), rels))
+    dt = time.perf_counter() - t0
+    return {"MBps": len(rels) * size / dt / 1e6, "seconds": dt, "readers": len(rels),
+            "daemon_cpu_s": round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2), "daemon_peak_rss_mb": peak_rss_mb(mnt.pid),
+            "slowest_reader_MBps": min(r["MBps"] for r in each), "resident_before": resident}
 
 
 # ======================================================================================== random reads
@@ -527,6 +616,11 @@ def summarize(reps: list[dict], with_rclone: bool, with_ceiling: bool) -> list[d
             rows.append({"metric": f"A/B random 4 KiB read {q}", "unit": "ms", "aim": "-",
                          **_pairs_stats([(r["rand_b"]["tierfs"][f"{q}_ms"], r["rand"]["tierfs"][f"{q}_ms"])
                                          for r in reps])})
+    if "multi" in reps[0]:
+        rows.append({"metric": f"{reps[0]['multi']['tierfs']['readers']} concurrent seq readers vs boto3 (same c)",
+                     "unit": "MB/s", "aim": ">= 0.9",
+                     **_pairs_stats([(r["multi"]["boto3"]["MBps"], r["multi"]["tierfs"]["MBps"]) for r in reps])})
+        rows[-1]["pass"] = rows[-1]["ratio"] >= 0.9
     shares = [r["seq"]["tierfs"]["local_share"] for r in reps]
     rows.append({"metric": "FUSE reads answered without waiting (seq)", "unit": "%", "baseline": None,
                  "tierfs": 100 * C.median(shares), "ratio": None, "ratio_min": 100 * min(shares),
@@ -578,6 +672,12 @@ def print_report(rows: list[dict], reps: list[dict], setup: dict, args: argparse
               f"{tb.get('daemon_peak_rss_mb')} MB, engine "
               f"{json.dumps(tb['engine'])}, segment bytes resident before {tb['segment_resident_before']}")
         print(f"  --ab-src tierfs seq FUSE: {C.format_stats_delta(tb['fuse'])}")
+    if "multi" in last:
+        m = last["multi"]["tierfs"]
+        print(f"  {m['readers']} concurrent readers: {m['seconds']:.2f} s, slowest reader "
+              f"{m['slowest_reader_MBps']:.1f} MB/s, daemon CPU {m['daemon_cpu_s']} s, peak RSS {m['daemon_peak_rss_mb']} MB during the phase "
+              f"(readahead.budget_bytes {setup.get('budget', 0) >> 20} MiB + 200 MiB: "
+              f"{(setup.get('budget', 0) >> 20) + 200} MiB); boto3 part {last['multi']['boto3']['part'] >> 20} MiB")
     if "ceiling" in last["seq"]:
         c = last["seq"]["ceiling"]
         print(f"  ceiling (local copy) seq: {c['seconds']:.2f} s, daemon CPU {c['daemon_cpu_s']} s, FUSE: "
@@ -608,6 +708,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-rclone", action="store_true", help="skip the rclone comparison")
     ap.add_argument("--no-ceiling", action="store_true",
                     help="skip the FUSE ceiling (a never-tiered copy of the bytes read through the mount)")
+    ap.add_argument("--readers", type=int, default=0, metavar="N",
+                    help="also read N evicted segments of --size at once (N-1 more are written) vs boto3 GETs of all "
+                         "their objects at the same total concurrency; 0 (default) skips it")
     ap.add_argument("--bucket", default="tierfs-bench")
     ap.add_argument("--dir", help="base dir for the temp files and mountpoints (default $TMPDIR)")
     ap.add_argument("--py-spy", metavar="DIR", help="record a py-spy profile of the daemon per tierfs seq read")
@@ -627,6 +730,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.parts = [parse_size(p) for p in args.part_sizes.split(",") if p.strip()]
     if args.size < 64 * MiB or args.size % PIECE:
         ap.error("--size must be a multiple of 1 MiB, at least 64 MiB")
+    if args.readers == 1 or args.readers < 0:
+        ap.error("--readers must be 0 (off) or at least 2")
     if any(p <= 0 or p % PIECE for p in args.parts):
         ap.error("--part-sizes must be multiples of 1 MiB")
     if not args.no_rclone and shutil.which("rclone") is None:
@@ -669,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = mnt.config()
             conc, chunk, block = (int(cfg["objectstore.max_concurrency"]), int(cfg["objectstore.chunk_bytes"]),
                                   int(cfg["cache.block_bytes"]))
-            setup.update(concurrency=conc, chunk=chunk, block=block)
+            setup.update(concurrency=conc, chunk=chunk, block=block, budget=int(cfg["readahead.budget_bytes"]))
             setup["readahead_fixup"] = check_readahead(mnt, int(cfg["mount.read_ahead_kb"]))
             C.log(f"mounted (daemon pid {mnt.pid}); writing the segment through the mount...")
             t = time.perf_counter()
@@ -686,6 +791,11 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.copyfileobj(src, dst, MiB)
                     dst.flush()
                     os.fsync(dst.fileno())
+            multi_crcs: dict[str, list[int]] = {}
+            if args.readers and size % chunk:
+                raise SystemExit(f"--readers needs --size to be a multiple of objectstore.chunk_bytes ({chunk})")
+            if args.readers:
+                multi_crcs = {SEGMENT: crcs, **write_multi_segments(mnt, base, size, args.readers)}
             C.log(f"written in {setup['write_through_mount_s']} s; waiting for seal, upload, eviction...")
             setup["tier_and_evict_s"] = round(wait_evicted(mnt, timeout=900)[0], 1)
             if mnt_b is not None:
@@ -738,6 +848,15 @@ def main(argv: list[str] | None = None) -> int:
                         C.log(f"rep{rep} seq {side}: {r['seq'][side]['MBps']:.1f} MB/s"
                               + (f" (local share {100 * r['seq'][side]['local_share']:.1f}%, daemon CPU "
                                  f"{r['seq'][side]['daemon_cpu_s']} s)" if side.startswith("tierfs") else ""))
+                if multi_crcs:
+                    r["multi"] = {}
+                    for side in (("tierfs", "boto3") if rep % 2 == 0 else ("boto3", "tierfs")):
+                        if side == "tierfs":
+                            r["multi"]["tierfs"] = run_tierfs_multi(mnt, multi_crcs, size)
+                        else:
+                            r["multi"]["boto3"] = run_multi_boto3(mnt, client, bucket, multi_crcs, chunk, size,
+                                                                  args.parts, conc)
+                        C.log(f"rep{rep} {args.readers} readers {side}: {r['multi'][side]['MBps']:.1f} MB/s")
                 r["rand"] = run_random(mnt, client, bucket, keys, chunk, block, size, ref, args.rand_ops, rep)
                 if mnt_b is not None:
                     r["rand_b"] = run_random(mnt_b, client, bucket, keys, chunk, block, size, ref, args.rand_ops,

@@ -140,6 +140,31 @@ def test_get_range_past_end_raises_naming_key(store):
     assert ei.value.size in (10, None)
 
 
+def test_get_range_into_fills_the_buffers_in_order(store, backend, monkeypatch):
+    """The cold read path GETs into its reused block buffers: every buffer filled in order, the connection
+    reusable after (20 rounds on one client), and the errors of get_range. On S3 the answer is read into the
+    buffers, never as a whole body first."""
+    data = random.Random(5).randbytes(3 * 1024 * 1024 + 777)
+    store.put("into", data)
+    if backend == "s3":
+        monkeypatch.setattr(type(store), "_read_body", lambda *_: pytest.fail("body read whole, not into buffers"))
+    bufs = [memoryview(bytearray(n)) for n in (1 << 20, 1 << 20, 1000, 0, 1)]
+    want = sum(len(b) for b in bufs)
+    for start in [12345] * 20 + [0, len(data) - want]:
+        for b in bufs:
+            b[:] = b"\xee" * len(b)
+        store.get_range_into("into", start, bufs)
+        assert b"".join(bytes(b) for b in bufs) == data[start:start + want]
+    monkeypatch.undo()
+    assert store.get_range("into", 7, 3) == data[7:10]  # the store still answers plainly afterwards
+    with pytest.raises(ObjectRangeError) as ei:
+        store.get_range_into("into", len(data) - 10, [memoryview(bytearray(11))])
+    assert ei.value.key == "into"
+    with pytest.raises(ObjectNotFound):
+        store.get_range_into("nothing/here", 0, [memoryview(bytearray(10))])
+    store.get_range_into("nothing/here", 0, [])  # nothing to read: no I/O
+
+
 def test_missing_key(store):
     key = "seg/missing/00000000001073741824/3.raw"
     assert store.head(key) is None

@@ -43,7 +43,7 @@ import abc
 import dataclasses
 import os
 import re
-from typing import Callable, Iterable, Iterator, Mapping, Union
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 MAX_KEY_BYTES = 1024
 MAX_METADATA_BYTES = 2048
@@ -390,6 +390,18 @@ class ObjectStore(abc.ABC):
         Raises ObjectRangeError if the object ends before start+length (no short reads), ObjectNotFound if the
         key does not exist. length == 0 returns b'' without any I/O.
         """
+
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+        """Fill `bufs`, in order, with the bytes of `key` from offset `start` (one ranged GET of their total
+        length), with the errors of `get_range`. A caller that keeps its buffers and reuses them touches no fresh
+        memory per read (page faults cost as much as the copy on a VM). On an error the buffers hold garbage.
+
+        This default reads with `get_range` and copies; S3 and posix read into the buffers directly."""
+        data = memoryview(self.get_range(key, start, sum(len(b) for b in bufs)))
+        pos = 0
+        for b in bufs:
+            b[:] = data[pos:pos + len(b)]
+            pos += len(b)
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -46,7 +46,7 @@ import re
 import secrets
 import stat
 import struct
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
 
@@ -345,6 +345,15 @@ class PosixObjectStore(ObjectStore):
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
+        buf = bytearray(length)
+        self.get_range_into(key, start, [memoryview(buf)])
+        return bytes(buf)
+
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+        length = sum(len(b) for b in bufs)
+        check_range(key, start, length)
+        if length == 0:
+            return
         with self._errors(key, "get_range"):
             opened = self._open(key)
             if opened is None:
@@ -354,7 +363,7 @@ class PosixObjectStore(ObjectStore):
                 size = _content_size(key, fd, st.st_size)
                 if start + length > size:
                     raise ObjectRangeError(key, start, length, size, self._where(key))
-                return _pread_exact(fd, length, start) if length else b""
+                _preadv_exact(fd, [b for b in bufs if len(b)], start)
             finally:
                 os.close(fd)
 
@@ -583,14 +592,24 @@ def _pread_exact(fd: int, length: int, offset: int) -> bytes:
     if length == 0:
         return b""
     buf = bytearray(length)
-    view = memoryview(buf)
-    got = 0
-    while got < length:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            raise _Corrupt(f"file ends at {offset + got}, expected {length} bytes from {offset}")
-        got += n
+    _preadv_exact(fd, [memoryview(buf)], offset)
     return bytes(buf)
+
+
+def _preadv_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill `bufs` from `offset` (preadv, resumed after short reads); a file that ends first is corrupt."""
+    want = sum(len(b) for b in bufs)
+    got = 0
+    while bufs:
+        n = os.preadv(fd, bufs, offset + got)
+        if n == 0:
+            raise _Corrupt(f"file ends at {offset + got}, expected {want} bytes from {offset}")
+        got += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs = bufs[1:]
+        if bufs and n:
+            bufs = [bufs[0][n:], *bufs[1:]]
 
 
 def _read_footer(fd: int, file_size: int) -> tuple[int, int, int, int]:

@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .base import (CRC32C_META, Metadata, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError,
                    ObjectStore, ObjectStoreError, ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c,
@@ -672,38 +672,121 @@ class S3ObjectStore(ObjectStore):
         check_range(key, start, length)
         if length == 0:
             return b""
-        rng = f"bytes={start}-{start + length - 1}"
         last: BaseException | None = None
         for attempt in range(self.max_attempts):
-            try:
-                resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=rng)
-            except self._bx.ClientError as e:
-                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if status == 416 or e.response.get("Error", {}).get("Code") == "InvalidRange":
-                    size = self._size_from_error(e)
-                    raise ObjectRangeError(key, start, length, size, self._where(key)) from None
-                raise self._translate(e, key, "get_range") from e
-            except Exception as e:  # noqa: BLE001
-                raise self._translate(e, key, "get_range") from e
+            resp = self._get_ranged(key, full, start, length)
             try:
                 data = self._read_body(resp)
             except self._net_errors as e:  # body broke mid-stream: botocore does not retry that, we do
                 last = e
                 self._backoff(attempt)
                 continue
-            if len(data) == length:
-                return data
-            total = self._total_size(resp)
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 200 and len(data) >= start + length:  # server ignored Range: whole object came back
-                return data[start:start + length]
-            if total is not None and total < start + length:
-                raise ObjectRangeError(key, start, length, total, self._where(key))
-            if status == 200 and total is None and len(data) < start + length:
-                raise ObjectRangeError(key, start, length, len(data), self._where(key))
+            got = self._ranged_content(key, resp, data, start, length)
+            if got is not None:
+                return got
             last = ObjectStoreError(key, f"short read: {len(data)} of {length} bytes")
             self._backoff(attempt)
         raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
+
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+        """As the base class says: a 206 answer of the expected length, not content-encoded, is read from the HTTP
+        response straight into the buffers (`readinto` on http.client's response under urllib3's), no bytes
+        object in between; any other answer takes get_range's path and is copied."""
+        length = sum(len(b) for b in bufs)
+        full = self._full(key)
+        check_range(key, start, length)
+        if length == 0:
+            return
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            resp = self._get_ranged(key, full, start, length)
+            fp = self._plain_body(resp, length)
+            try:
+                if fp is not None:
+                    got = self._readinto_body(resp, fp, bufs)
+                    if got == length:
+                        return
+                    raise ObjectStoreError(key, f"short read: {got} of {length} bytes")
+                data = self._read_body(resp)
+            except (ObjectStoreError, *self._net_errors) as e:  # body broke mid-stream: retried
+                last = e
+                self._backoff(attempt)
+                continue
+            content = self._ranged_content(key, resp, data, start, length)
+            if content is not None:
+                view, pos = memoryview(content), 0
+                for b in bufs:
+                    b[:] = view[pos:pos + len(b)]
+                    pos += len(b)
+                return
+            last = ObjectStoreError(key, f"short read: {len(data)} of {length} bytes")
+            self._backoff(attempt)
+        raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
+
+    def _get_ranged(self, key: str, full: str, start: int, length: int) -> Mapping[str, Any]:
+        """One ranged GetObject; its body is still to be read. 416 / InvalidRange -> ObjectRangeError."""
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}")
+        except self._bx.ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 416 or e.response.get("Error", {}).get("Code") == "InvalidRange":
+                size = self._size_from_error(e)
+                raise ObjectRangeError(key, start, length, size, self._where(key)) from None
+            raise self._translate(e, key, "get_range") from e
+        except Exception as e:  # noqa: BLE001
+            raise self._translate(e, key, "get_range") from e
+
+    def _ranged_content(self, key: str, resp: Mapping[str, Any], data: bytes, start: int,
+                        length: int) -> bytes | None:
+        """The requested bytes out of a ranged GET's whole body, None for a short read worth retrying; a range
+        past the object's end raises ObjectRangeError."""
+        if len(data) == length:
+            return data
+        total = self._total_size(resp)
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status == 200 and len(data) >= start + length:  # server ignored Range: whole object came back
+            return data[start:start + length]
+        if total is not None and total < start + length:
+            raise ObjectRangeError(key, start, length, total, self._where(key))
+        if status == 200 and total is None and len(data) < start + length:
+            raise ObjectRangeError(key, start, length, len(data), self._where(key))
+        return None
+
+    @staticmethod
+    def _plain_body(resp: Mapping[str, Any], length: int) -> Any:
+        """The http.client response under a 206 answer of exactly `length` plain bytes, else None (then the body
+        is read the usual way). botocore and urllib3 keep it in attributes of theirs: checked, never assumed."""
+        if resp.get("ResponseMetadata", {}).get("HTTPStatusCode") != 206 or resp.get("ContentLength") != length:
+            return None
+        raw = getattr(resp["Body"], "_raw_stream", None)
+        fp = getattr(raw, "_fp", None)
+        if fp is None or not callable(getattr(fp, "readinto", None)) or not callable(getattr(raw, "release_conn", None)):
+            return None
+        if (raw.headers.get("content-encoding") or "identity").lower() != "identity":
+            return None
+        return fp
+
+    @staticmethod
+    def _readinto_body(resp: Mapping[str, Any], fp: Any, bufs: Sequence[memoryview]) -> int:
+        """Read the body into `bufs`; the bytes read. The connection goes back to the pool only when the whole
+        body was read; otherwise it is closed (its stream position is unknown)."""
+        raw = resp["Body"]._raw_stream
+        got = 0
+        whole = False
+        try:
+            for b in bufs:
+                while len(b):
+                    n = fp.readinto(b)
+                    if not n:
+                        return got
+                    got += n
+                    b = b[n:]
+            whole = fp.isclosed()  # http.client closes its file once Content-Length bytes were read
+            return got
+        finally:
+            if whole:
+                raw.release_conn()
+            resp["Body"].close()
 
     def _size_from_error(self, e) -> int | None:
         headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}

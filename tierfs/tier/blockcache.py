@@ -2,9 +2,10 @@
 
 A tiered segment keeps its hot file at its true size, with holes where blocks were evicted; the entry's resident
 bitmap says which blocks are real. A read of a block that is neither resident nor in memory starts a ranged GET
-(one per run of blocks inside one object, raw chunk or lz4c) and checks each block's crc32c. Verified blocks land
-in a bounded pool of buffers (tierfs.tier.bufferpool, within `readahead.budget_bytes`) and the FUSE reply is cut
-from there: a cold read never waits for the disk. Writing blocks into the hot file (the local cache) happens after,
+(one per run of blocks inside one object, raw chunk or lz4c) and checks each block's crc32c. A raw chunk's GET
+reads straight into one reused buffer per block, so what the pool counts is what memory holds, however a GET's
+blocks are read or dropped. Verified blocks land in a bounded pool of buffers (tierfs.tier.bufferpool, within
+`readahead.budget_bytes`) and the FUSE reply is cut from there: a cold read never waits for the disk. Writing blocks into the hot file (the local cache) happens after,
 in a worker thread, and only where the cache budget wants them kept: blocks a reader asked for always (the evictor
 keeps the budget by LRU), the blocks of a sequential stream (prefetched, or asked for by a scan) only while
 the cache is below its low watermark, so a large scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
@@ -33,18 +34,19 @@ from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.consumequeue import UNIT_SIZE as CQ_UNIT
 from tierfs.store.paths import Kind, split_root
 from tierfs.tier import layout, lz4c
-from tierfs.tier.bufferpool import BufferPool
+from tierfs.tier.bufferpool import Buffer, BufferPool
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
 
 if TYPE_CHECKING:
+    from tierfs.objectstore.base import ObjectStore
     from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.tier")
 
 PAGE = 4096
-PREFETCH_GROUP_BYTES = 4 << 20  # one read-ahead GET: large enough that per-request costs stop mattering
+PREFETCH_GROUP_BYTES = 16 << 20  # one read-ahead GET (a default chunk object): per-request costs stop mattering
 NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets no generic read-ahead this long
 NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
@@ -52,11 +54,10 @@ _PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
 
 
-def _pwrite_blocks(fd: int, data: bytes, todo: list[tuple[int, int, int]], block_bytes: int) -> None:
-    """Blocking: write (block, offset in data, length) pieces of fetched data at their place in the file."""
-    mv = memoryview(data)
-    for b, pos, ln in todo:
-        os.pwrite(fd, mv[pos:pos + ln], b * block_bytes)
+def _pwrite_blocks(fd: int, todo: list[tuple[int, memoryview, Buffer | None]], block_bytes: int) -> None:
+    """Blocking: write fetched blocks (block, its bytes, -) at their place in the file."""
+    for b, view, _ in todo:
+        os.pwrite(fd, view, b * block_bytes)
 
 
 def first_bad_block(first: int, data: bytes, crcs: list[int], lens: list[int]) -> int | None:
@@ -70,17 +71,23 @@ def first_bad_block(first: int, data: bytes, crcs: list[int], lens: list[int]) -
     return None
 
 
-def _get_checked(store: ObjectStore, key: str, start: int, length: int, first: int, crcs: list[int],
-                 lens: list[int]) -> tuple[bytes, int | None]:
-    """Blocking: one ranged GET of a raw chunk object, and its blocks' crc32c check."""
-    data = store.get_range(key, start, length)
-    return data, first_bad_block(first, data, crcs, lens)
+def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryview], first: int,
+                 crcs: list[int]) -> int | None:
+    """Blocking: one ranged GET of a raw chunk object straight into its blocks' buffers, and their crc32c check:
+    the first bad block, or None."""
+    store.get_range_into(key, start, views)
+    for i, (view, crc) in enumerate(zip(views, crcs)):
+        if crc32c.crc32c(view) != crc:
+            return first + i
+    return None
 
 
-def _decode_checked(footer: "lz4c.Footer", first: int, n: int, packed: bytes, crcs: list[int],
-                    lens: list[int]) -> tuple[bytes, int | None]:
-    """Blocking: decompress the lz4 blocks of an lz4c object's range, and check their crc32c."""
-    data = lz4c.decode_blocks(footer, first, n, packed)
+def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
+                         lens: list[int]) -> tuple[bytes, int | None]:
+    """Blocking: one ranged GET of the lz4 blocks covering blocks [first, first+n) of an lz4c object, their
+    decompression and crc32c check, all in the one worker thread (one hop to the loop and back per GET)."""
+    off, length = lz4c.block_span(footer, first, n)
+    data = lz4c.decode_blocks(footer, first, n, store.get_range(key, off, length))
     return data, first_bad_block(first, data, crcs, lens)
 
 
@@ -285,8 +292,8 @@ class BlockCache:
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
         budget = int(self.eng.config["readahead.budget_bytes"])
         # The window slides by the one block each read uncovers; extend it to the end of its aligned group, so
-        # each GET brings a whole group (PREFETCH_GROUP_BYTES) instead of one block per read.
-        group = max(1, PREFETCH_GROUP_BYTES // e.block_bytes)
+        # each GET brings a whole group instead of one block per read.
+        group = self._group_blocks(e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
         fid, gen, pool = e.file_id, e.generation, self.pool
         want = [b for b in range(start, hi)
@@ -299,6 +306,12 @@ class BlockCache:
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
             self._start_fetch(e, first, n, prefetch=True, scan=True)
+
+    def _group_blocks(self, block_bytes: int) -> int:
+        """Blocks per read-ahead GET: PREFETCH_GROUP_BYTES, or a quarter of readahead.budget_bytes when that is
+        less (a GET larger than the budget would never start, and one as large as it would leave no room)."""
+        budget = int(self.eng.config["readahead.budget_bytes"])
+        return max(1, min(PREFETCH_GROUP_BYTES, budget // 4) // block_bytes)
 
     def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
@@ -345,7 +358,7 @@ class BlockCache:
             fid, gen, pool = c.file_id, c.generation, self.pool
             todo = [b for b in blocks if not c.is_resident(b) and (fid, gen, b) not in self.inflight
                     and (fid, gen, b) not in pool]
-            for first, n in block_runs(c, todo, max(1, PREFETCH_GROUP_BYTES // c.block_bytes)):
+            for first, n in block_runs(c, todo, self._group_blocks(c.block_bytes)):
                 nbytes = n * c.block_bytes
                 if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                     return
@@ -372,21 +385,34 @@ class BlockCache:
         return e.objects[0] if e.format == "lz4c" else e.objects[layout.raw_chunk_of(first, e.chunk_bytes,
                                                                                     e.block_bytes)[0]]
 
-    async def _read_blocks(self, e: Entry, first: int, n: int) -> tuple[bytes, int | None]:
-        """The content of blocks [first, first+n) from the object store, and the first block that fails its
-        crc32c (None: all good): one ranged GET of a raw chunk object, or of the covering lz4 blocks of an lz4c
-        object. GET, decompression and the check all run in the worker thread, off the trio loop."""
+    async def _read_blocks(self, e: Entry, first: int, n: int) -> tuple[list[memoryview], list[Buffer], int | None]:
+        """The content of blocks [first, first+n) from the object store (a view per block, and the pool's buffers
+        they live in, held once for the caller to release; none for lz4c), and the first block that fails its
+        crc32c (None: all good): one ranged GET of a raw chunk object into reused buffers, or of the covering lz4
+        blocks of an lz4c object. GET, decompression and the check all run in one worker thread, off the loop."""
         store = self.eng.store
         key = self._object_of(e, first)
         crcs = e.block_crcs[first:first + n]
         lens = [e.block_len(b) for b in range(first, first + n)]
         if e.format == "lz4c":
             footer = await self._footer(key)
-            off, length = lz4c.block_span(footer, first, n)
-            packed = await self.eng.io(store.get_range, key, off, length)
-            return await trio.to_thread.run_sync(_decode_checked, footer, first, n, packed, crcs, lens)
+            data, bad = await self.eng.io(_get_decoded_checked, store, key, footer, first, n, crcs, lens)
+            mv, views, pos = memoryview(data), [], 0
+            for ln in lens:
+                views.append(mv[pos:pos + ln])
+                pos += ln
+            return views, [], bad
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
-        return await self.eng.io(_get_checked, store, key, start, sum(lens), first, crcs, lens)
+        # taken in this task, never in the reader's: see Buffers (a reply may still read a buffer freed there)
+        bufs = [self.pool.buffers.take(e.block_bytes) for _ in range(n)]
+        try:
+            views = [buf.view[:ln] for buf, ln in zip(bufs, lens)]
+            bad = await self.eng.io(_get_checked, store, key, start, views, first, crcs)
+        except BaseException:
+            for buf in bufs:
+                self.pool.buffers.release(buf)
+            raise
+        return views, bufs, bad
 
     async def _footer(self, key: str) -> "lz4c.Footer":
         """An lz4c object's block table, fetched once (trailer, then footer) and kept in memory."""
@@ -410,7 +436,7 @@ class BlockCache:
         try:
             for attempt in (1, 2):
                 try:
-                    data, bad = await self._read_blocks(e, first, n)
+                    views, bufs, bad = await self._read_blocks(e, first, n)
                 except lz4c.Lz4cError as err:
                     stats.corrupt_objects += 1
                     error = f"object {key} of {e.path} is corrupt: {err}"
@@ -424,16 +450,22 @@ class BlockCache:
                     error = f"object {key} of {e.path}: {err}"
                     self.eng.store_down_since = self.eng.store_down_since or time.time()
                     break
+                nbytes = sum(len(v) for v in views)
+                try:
+                    if bad is None:
+                        if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
+                            self.prefetch_inflight -= n * e.block_bytes
+                            prefetch_counted = False
+                        self._land(e, gen, first, views, bufs, prefetch, scan)
+                finally:
+                    for buf in bufs:  # the fetch's own hold: the pool and installs hold what they keep
+                        self.pool.buffers.release(buf)
                 if bad is None:
-                    if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
-                        self.prefetch_inflight -= n * e.block_bytes
-                        prefetch_counted = False
-                    self._land(e, gen, first, n, data, prefetch, scan)
                     stats.fetches += 1
-                    stats.fetch_bytes += len(data)
-                    self.eng.observe("download", time.monotonic() - t0, len(data))
+                    stats.fetch_bytes += nbytes
+                    self.eng.observe("download", time.monotonic() - t0, nbytes)
                     if prefetch:
-                        stats.prefetch_bytes += len(data)
+                        stats.prefetch_bytes += nbytes
                     error = None
                     break
                 stats.corrupt_objects += 1
@@ -462,36 +494,39 @@ class BlockCache:
         eng = self.eng
         return e.state is State.TIERED and e.generation == gen and eng.is_live(e) and eng.tiered.get(e.ino) is e
 
-    def _land(self, e: Entry, gen: int, first: int, n: int, data: bytes, prefetch: bool, scan: bool) -> None:
-        """Verified blocks arrive: into the pool (readers are answered from there), and into the hot file in a
-        worker thread when the cache budget wants them kept. No await in here."""
+    def _land(self, e: Entry, gen: int, first: int, views: list[memoryview], bufs: list[Buffer], prefetch: bool,
+              scan: bool) -> None:
+        """Verified blocks arrive (a view per block, in `bufs` when they live in pool buffers): into the pool
+        (readers are answered from there), and into the hot file in a worker thread when the cache budget wants
+        them kept. No await in here."""
         if not self._same(e, gen):
             return
         fid = e.file_id
-        mv = memoryview(data)
-        todo: list[tuple[int, int, int]] = []
-        pos = 0
-        for b in range(first, first + n):
-            ln = e.block_len(b)
-            self.pool.put((fid, gen, b), mv[pos:pos + ln], unread=prefetch, reserve=self.prefetch_inflight)
+        todo: list[tuple[int, memoryview, Buffer | None]] = []
+        for i, view in enumerate(views):
+            b = first + i
+            buf = bufs[i] if bufs else None
+            self.pool.put((fid, gen, b), view, unread=prefetch, reserve=self.prefetch_inflight, buf=buf)
             if not e.is_resident(b) and (fid, gen, b) not in self.installing:
-                todo.append((b, pos, ln))
-            pos += ln
+                todo.append((b, view, buf))
+        nbytes = sum(len(t[1]) for t in todo)
         if todo and fid in self._frozen:  # being rewritten: it needs every block in the hot file, now
             fd = self.eng.fd(e)
-            for b, p, ln in todo:
-                os.pwrite(fd, mv[p:p + ln], b * e.block_bytes)
+            for b, view, _ in todo:
+                os.pwrite(fd, view, b * e.block_bytes)
                 e.set_resident(b, True)
-                self.eng.cache_bytes += ln
+                self.eng.cache_bytes += len(view)
             self.eng.evictor.residency_changed(e)
-        elif todo and self._keep_locally(sum(t[2] for t in todo), scan):
-            keys = [(fid, gen, b) for b, _, _ in todo]
-            self.installing.update(keys)
-            self.installing_bytes += sum(t[2] for t in todo)
+        elif todo and self._keep_locally(nbytes, scan):
+            self.installing.update((fid, gen, b) for b, _, _ in todo)
+            self.installing_bytes += nbytes
             self._installs[fid] = self._installs.get(fid, 0) + 1
-            self.eng.start_soon(self._install, e, gen, todo, data)
+            for _, _, buf in todo:
+                if buf is not None:  # the install's hold: the pool may let the block go before it is written
+                    self.pool.buffers.hold(buf)
+            self.eng.start_soon(self._install, e, gen, todo)
         elif todo:
-            self.eng.stats.memory_only_bytes += sum(t[2] for t in todo)
+            self.eng.stats.memory_only_bytes += nbytes
 
     def _keep_locally(self, nbytes: int, scan: bool) -> bool:
         """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the
@@ -504,20 +539,19 @@ class BlockCache:
         limit = int(cfg["cache.max_bytes"]) * float(cfg["cache.low_watermark"])
         return self.eng.cache_bytes + self.installing_bytes + nbytes <= limit
 
-    async def _install(self, e: Entry, gen: int, todo: list[tuple[int, int, int]], data: bytes) -> None:
-        """Write fetched blocks into the hot file's holes in a worker thread, through a dup of the engine's fd
-        (the engine may close its own meanwhile). The bits are set after the pwrite returned, and only if the
-        file is still this tiered generation."""
+    async def _install(self, e: Entry, gen: int, todo: list[tuple[int, memoryview, Buffer | None]]) -> None:
+        """Write fetched blocks (block, bytes, the buffer held for this) into the hot file's holes in a worker
+        thread, through a dup of the engine's fd (the engine may close its own meanwhile). The bits are set after
+        the pwrite returned, and only if the file is still this tiered generation."""
         eng = self.eng
         fid = e.file_id
         keys = [(fid, gen, b) for b, _, _ in todo]
-        nbytes = sum(t[2] for t in todo)
+        nbytes = sum(len(t[1]) for t in todo)
         ok = False
         try:
             fd = os.dup(eng.fd(e))
             try:
-                await trio.to_thread.run_sync(_pwrite_blocks, fd, data, todo, e.block_bytes,
-                                              limiter=self._install_limiter)
+                await trio.to_thread.run_sync(_pwrite_blocks, fd, todo, e.block_bytes, limiter=self._install_limiter)
                 ok = True
             finally:
                 os.close(fd)
@@ -525,6 +559,9 @@ class BlockCache:
             log.warning("keeping fetched blocks of %s locally failed (%s); they are fetched again when needed",
                         e.path, err)
         finally:
+            for _, _, buf in todo:
+                if buf is not None:
+                    self.pool.buffers.release(buf)
             self.installing.difference_update(keys)
             self.installing_bytes -= nbytes
             left = self._installs.pop(fid) - 1
@@ -534,10 +571,10 @@ class BlockCache:
             self._install_done = trio.Event()
         if not ok or not self._same(e, gen):
             return
-        for b, _, ln in todo:
+        for b, view, _ in todo:
             if not e.is_resident(b):
                 e.set_resident(b, True)
-                eng.cache_bytes += ln
+                eng.cache_bytes += len(view)
         eng.stats.install_bytes += nbytes
         eng.evictor.residency_changed(e)
 

@@ -58,6 +58,7 @@ class Evictor:
     async def run(self) -> None:
         while True:
             await trio.sleep(0.5)
+            self.eng.cache.pool.buffers.trim(time.monotonic())  # fetch buffers no reader needed lately
             try:
                 await self._evict_once()
                 await self.persist_residency()
