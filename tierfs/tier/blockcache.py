@@ -634,7 +634,6 @@ class BlockCache:
         """Make [0, keep) resident and durable, then turn the tiered row HOT at a new generation and queue the
         old objects' deletion, in one transaction. The caller pins `e`: the evictor cannot punch what was just
         fetched while this waits for the disk or the catalog."""
-        eng = self.eng
         log.info("%s of tiered %s: re-materialising (gen %d -> new)", why, e.path, e.generation)
         self._frozen.add(e.file_id)  # no new install of old bytes may start; those in flight are waited for
         try:
