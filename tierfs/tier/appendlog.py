@@ -360,8 +360,7 @@ class AppendLog:
             assert eng.snapshotter is not None
             walked = await trio.to_thread.run_sync(eng.snapshotter.walk)
             files = self._not_tiered(walked[1])
-            await self._mark_written(files)
-            checkpoints = await trio.to_thread.run_sync(self._read_checkpoints, limiter=eng.limiter)
+            checkpoints = await self._before_flush(files)
             if flush:
                 await self._flush(self._to_flush(files))
             self._defer_holes = flush
@@ -447,15 +446,11 @@ class AppendLog:
         """Blocking: per tail, its objects whose bytes differ from the local file ("file": the file is not it)."""
         out: dict[int, list[TailObject] | str] = {}
         for t in tails:
-            try:
-                fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
+            fd = self._open_tail(t)
+            if fd is None:
                 out[t.ino] = "file"
                 continue
             try:
-                if os.fstat(fd).st_ino != t.ino:
-                    out[t.ino] = "file"
-                    continue
                 bad = [o for o in t.objects if crc32c.crc32c(os.pread(fd, o.length, o.start)) != o.crc]
                 if bad:
                     out[t.ino] = bad
@@ -488,10 +483,11 @@ class AppendLog:
                 out[t.rel] = None
         return out
 
-    async def _mark_written(self, files: list[tuple[str, os.stat_result]]) -> None:
-        """Before the flush: the last written byte of each CommitLog as the hot dir holds it now. The broker
-        wrote it before the flush, and one appender writes records in order, so after the flush every record
-        up to it is whole; past it a record may still lack pages (see `_complete_end`)."""
+    async def _before_flush(self, files: list[tuple[str, os.stat_result]]) -> dict[str, bytes]:
+        """Before the flush, in one worker-thread hop: the last written byte of each CommitLog as the hot dir
+        holds it now, and the broker's checkpoint (CHECKPOINT_FILES), which the round's snapshot names. The
+        broker wrote that byte before the flush, and one appender writes records in order, so after the flush
+        every record up to it is whole; past it a record may still lack pages (see `_complete_end`)."""
         tails = []
         for rel, st in files:
             if classify(rel) is Kind.COMMITLOG:
@@ -499,33 +495,40 @@ class AppendLog:
                 if t is None or t.rel != rel:
                     t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
                 tails.append((t, min(t.committed, st.st_size), st.st_size))
-        if tails:
-            ends = await trio.to_thread.run_sync(self._written_ends, tails, limiter=self.eng.limiter)
-            for (t, _, _), end in zip(tails, ends):
-                t.trusted = end
+        ends, checkpoints = await trio.to_thread.run_sync(self._read_before_flush, tails, limiter=self.eng.limiter)
+        for (t, _, _), end in zip(tails, ends):
+            t.trusted = end
+        return checkpoints
 
-    def _read_checkpoints(self) -> dict[str, bytes]:
-        out = {}
-        for rel in CHECKPOINT_FILES:
-            try:
-                out[rel] = (self.eng.hot / rel).read_bytes()
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                pass
-        return out
-
-    def _written_ends(self, tails: list[tuple[Tail, int, int]]) -> list[int]:
-        out = []
+    def _read_before_flush(self, tails: list[tuple[Tail, int, int]]) -> tuple[list[int], dict[str, bytes]]:
+        ends = []
         for t, start, size in tails:
-            try:
-                fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                out.append(start)  # gone or replaced: nothing past the committed offset is trusted
+            fd = self._open_tail(t)
+            if fd is None:
+                ends.append(start)  # gone or replaced: nothing past the committed offset is trusted
                 continue
             try:
-                out.append(data_end(fd, start, size) if os.fstat(fd).st_ino == t.ino else start)
+                ends.append(data_end(fd, start, size))
             finally:
                 os.close(fd)
-        return out
+        checkpoints = {}
+        for rel in CHECKPOINT_FILES:
+            try:
+                checkpoints[rel] = (self.eng.hot / rel).read_bytes()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                pass
+        return ends, checkpoints
+
+    def _open_tail(self, t: Tail) -> int | None:
+        """Blocking: a read-only fd of the tail's file, or None when it is gone or no longer that inode."""
+        try:
+            fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if os.fstat(fd).st_ino != t.ino:
+            os.close(fd)
+            return None
+        return fd
 
     def _new_tail(self, rel: str, ino: int) -> Tail:
         old = self.tails.get(ino)
