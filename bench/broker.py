@@ -4,6 +4,12 @@ everything from offset 0 after a broker restart, with the data evicted (tierfs) 
 (plug-in, tieredStorageLevel=FORCE).
 
     python bench/broker.py [--messages 40000] [--body 1024] [--json out.json]
+    python bench/broker.py --produce-only --repeat 3 [--py-spy DIR]   # produce only, native/tierfs alternated
+
+With --produce-only only the produce phase runs, native and tierfs alternated --repeat times (medians), plus a
+tierfs mount with continuous tiering off (tiering.rpo_seconds=0) so its cost shows in the same run; the FUSE
+requests of each tierfs produce are printed. --variant NAME[@SRC]=OPTS adds a tierfs mount with other options or
+from another source tree (an A/B in the same run); --py-spy DIR samples the daemon during its produce phases.
 
 Ratios printed: produce tierfs/native (aim >= 0.9), p99 native/tierfs, lagging read tierfs/native (aim >= 0.7)
 and tierfs/plug-in (aim >= 1.0). CPU seconds of the broker (and of the tierfs daemon) per phase. The broker
@@ -17,7 +23,10 @@ Needs the Maven artifacts that ./mount-scripts/test resolves (tests/brokerutil.p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,22 +67,36 @@ def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def run_config(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
-               extra: dict[str, object], mount: C.TierfsMount | None = None, tier_dir: Path | None = None,
-               backing: tuple[Path, ...] = ()) -> dict:
+def produce(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
+            extra: dict[str, object], mount: C.TierfsMount | None = None) -> tuple[dict, Path]:
+    """Start the broker on `store`, create the topic and send args.messages synchronously (64 threads)."""
     conf = rmq.broker_conf(store, **extra)
     rmq.start_broker(conf)
     rmq.client("topics", rmq.ns_addr, rmq.broker_addr, QUEUES, TOPIC)
     cpu0 = B.cpu_seconds(rmq.broker.pid)
     d0 = B.cpu_seconds(mount.pid) if mount else 0.0
-    prod = rmq.client("produce", rmq.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body, 64,
-                      base / f"acked-{name}", timeout=600)
+    s0 = mount.stats() if mount else {}
+    spy = C.py_spy_record(mount.pid, Path(args.py_spy) / f"{name}.speedscope.json") \
+        if mount and args.py_spy else contextlib.nullcontext()
+    with spy:
+        prod = rmq.client("produce", rmq.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body, 64,
+                          base / f"acked-{name}", timeout=600)
     if prod["acked"] != args.messages:
         raise SystemExit(f"{name}: only {prod['acked']} of {args.messages} sends acknowledged: {prod}")
     out = {"produce_msgs_s": args.messages / prod["secs"], "produce_MB_s": args.messages * args.body / prod["secs"]
            / 1e6, "p99_ms": prod["p99_ms"], "produce_broker_cpu_s": B.cpu_seconds(rmq.broker.pid) - cpu0}
     if mount:
         out["produce_daemon_cpu_s"] = B.cpu_seconds(mount.pid) - d0
+        out["fuse_ops"] = {k: f"{v['count']}x{v['mean_us']:.0f}us"
+                           for k, v in C.stats_delta(s0, mount.stats())["ops"].items() if v["count"] >= 100}
+    return out, conf
+
+
+def run_config(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
+               extra: dict[str, object], mount: C.TierfsMount | None = None, tier_dir: Path | None = None,
+               backing: tuple[Path, ...] = ()) -> dict:
+    out, conf = produce(name, rmq, store, args, base, extra, mount)
+    if mount:
         C.wait_until(lambda: mostly_evicted(mount), 120, "3/4 of the CommitLog segments tiered and evicted")
     if tier_dir is not None:  # the plug-in uploads in the background: wait until its CommitLog stops growing
         sizes = [-1]
@@ -109,8 +132,20 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE[,...]",
                     help="extra tierfs mount options (e.g. tiering.rpo_seconds=0)")
+    ap.add_argument("--produce-only", action="store_true", help="only the produce phase, native/tierfs alternated")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of --produce-only (medians)")
+    ap.add_argument("--py-spy", default="", metavar="DIR", help="sample the tierfs daemon while it produces")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME[@SRC]=KEY=VALUE,...",
+                    help="--produce-only: one more tierfs mount with these options (and this source tree)")
+    ap.add_argument("--skip", action="append", default=[], metavar="NAME",
+                    help="--produce-only: leave out a default variant (tierfs, tierfs-rpo0)")
     args = ap.parse_args()
     C.install_signal_handlers()
+    if args.py_spy:
+        Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+    if args.produce_only:
+        produce_only(args)
+        return
     results: dict[str, dict] = {}
     t0 = time.monotonic()
     with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
@@ -151,6 +186,61 @@ def main() -> None:
     if args.json:
         C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
                                  "results": results, "ratios": ratios})
+
+
+def produce_only(args: argparse.Namespace) -> None:
+    """Produce phases only, alternated native / each tierfs variant, medians of each."""
+    variants: dict[str, tuple[list[str], str | None]] = {"tierfs": ([], None),
+                                                         "tierfs-rpo0": (["tiering.rpo_seconds=0"], None)}
+    for v in args.variant:
+        name, _, opts = v.partition("=")
+        name, _, src = name.partition("@")
+        variants[name] = ([o for o in opts.split(",") if o], src or None)
+    for name in args.skip:
+        variants.pop(name, None)
+    runs: dict[str, list[dict]] = {"native": [], **{k: [] for k in variants}}
+    t0 = time.monotonic()
+    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
+        rmq = B.RocketMQ(VERSION, base / "home")
+        try:
+            rmq.start_namesrv()
+            for i in range(args.repeat):
+                for name in runs:
+                    run = base / f"{name}-{i}"
+                    store = run / "store"
+                    store.mkdir(parents=True)
+                    if name == "native":
+                        out, _ = produce(f"{name}-{i}", rmq, store, args, base, {})
+                        rmq.stop_broker(signal.SIGKILL)
+                    else:
+                        extra, src = variants[name]
+                        opts = [TIER_OPTS, f"objectstore.url=file://{run / 'objects'}", *args.options, *extra]
+                        with C.TierfsMount(run / "hot", run / "mnt", opts, tierfs_src=src) as mount:
+                            out, _ = produce(f"{name}-{i}", rmq, run / "mnt", args, base, {}, mount=mount)
+                            rmq.stop_broker(signal.SIGKILL)
+                            out["status"] = {k: v for k, v in mount.status().items() if k != "files"}
+                            if args.py_spy:  # the daemon's log beside its profile
+                                shutil.copy(run / "hot" / ".tierfs" / "tierfs.log",
+                                            Path(args.py_spy) / f"{name}-{i}.log")
+                    C.log(f"{name} #{i}: { {k: v for k, v in out.items() if k != 'status'} }")
+                    runs[name].append(out)
+                    shutil.rmtree(run, ignore_errors=True)
+        finally:
+            rmq.close()
+    cols = ("produce_msgs_s", "p99_ms", "produce_broker_cpu_s", "produce_daemon_cpu_s")
+    med = {k: {c: statistics.median(r[c] for r in v) for c in cols if c in v[0]} for k, v in runs.items()}
+    C.print_table(["config", "msgs/s", "p99 ms", "broker cpu s", "daemon cpu s"],
+                  [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in med.items()])
+    n = med["native"]["produce_msgs_s"]
+    for k in variants:
+        print(f"produce {k}/native: {med[k]['produce_msgs_s'] / n:.2f} (per round: "
+              + ", ".join(f"{a['produce_msgs_s'] / b['produce_msgs_s']:.2f}" for a, b in zip(runs[k], runs["native"]))
+              + f"); FUSE requests of the last run: {runs[k][-1]['fuse_ops']}")
+    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {args.repeat} rounds, "
+          f"{time.monotonic() - t0:.0f} s")
+    if args.json:
+        C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION, "runs": runs,
+                                 "medians": med})
 
 
 if __name__ == "__main__":
