@@ -1,0 +1,147 @@
+"""The lean ranged GET of S3ObjectStore (tierfs/objectstore/s3get.py) against the real Ceph RGW, directly and
+through the fault proxy: it must be the path get_range / get_range_into take, and answer every failure with the
+exception the boto3 path gives (the block cache and fsck branch on those types), retrying what is transient.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+from ceph_rgw import rgw  # noqa: F401  (session fixture)
+from tierfs.objectstore import ObjectNotFound, ObjectRangeError, ObjectStoreError, ObjectStoreUnavailable, open_store
+
+BUCKET = "tierfs-lean-get"
+DATA = random.Random(13).randbytes(3 * (1 << 20) + 123)
+
+
+@pytest.fixture(scope="module")
+def lean_bucket(rgw):  # noqa: F811
+    rgw.make_bucket(BUCKET)
+    s = open_store(f"s3://{BUCKET}/lean", endpoint_url=rgw.endpoint_url, access_key=rgw.access_key,
+                   secret_key=rgw.secret_key)
+    s.put("obj", DATA)
+    s.close()
+    return BUCKET
+
+
+def make(endpoint: str, rgw, prefix: str = "lean", **kw):  # noqa: F811
+    opts = dict(endpoint_url=endpoint, access_key=rgw.access_key, secret_key=rgw.secret_key, max_attempts=3,
+                connect_timeout=2, read_timeout=10)
+    opts.update(kw)
+    return open_store(f"s3://{BUCKET}/{prefix}", **opts)
+
+
+def no_boto_get(store, monkeypatch) -> None:
+    """Reads must not go through botocore's GetObject any more."""
+    assert store._lean is not None
+    monkeypatch.setattr(store._client, "get_object", lambda **_: pytest.fail("ranged GET went through boto3"))
+
+
+def outcome(call) -> tuple[str, object]:
+    try:
+        return "ok", call()
+    except ObjectStoreError as e:
+        assert "X-Amz-Signature" not in str(e) and "X-Amz-Credential" not in str(e), str(e)
+        return type(e).__name__, getattr(e, "size", None)
+
+
+def test_lean_get_answers_as_boto3_does(rgw, lean_bucket, monkeypatch):  # noqa: F811
+    """Content, a missing object, a range past the end, refused credentials and a missing bucket: the lean path
+    gives what the boto3 path gives, and the presigned URL's signature never shows in a message. Fails on main
+    (5a3c12a): there get_range is a boto3 GetObject."""
+    good = make(rgw.endpoint_url, rgw)
+    bad_key = make(rgw.endpoint_url, rgw, secret_key="not-the-secret")
+    no_bucket = open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", endpoint_url=rgw.endpoint_url,
+                           access_key=rgw.access_key, secret_key=rgw.secret_key, max_attempts=2)
+    bufs = [memoryview(bytearray(n)) for n in (1 << 20, 5, 1 << 20)]
+
+    def into(store, start):
+        store.get_range_into("obj", start, bufs)
+        return b"".join(bytes(b) for b in bufs)
+
+    cases = {
+        "range": lambda s: s.get_range("obj", 1000, 70000),
+        "into": lambda s: into(s, 777),
+        "missing": lambda s: s.get_range("nothing/here", 0, 10),
+        "missing into": lambda s: s.get_range_into("nothing/here", 0, bufs),
+        "past end": lambda s: s.get_range("obj", len(DATA) - 10, 11),
+        "past end into": lambda s: s.get_range_into("obj", len(DATA) - 10, [memoryview(bytearray(20))]),
+        "start past end": lambda s: s.get_range("obj", len(DATA) + 5, 1),
+    }
+    try:
+        boto = {}
+        for s in (good, bad_key, no_bucket):
+            lean, s._lean = s._lean, None
+            boto[id(s)] = {name: outcome(lambda: call(s)) for name, call in cases.items()}
+            s._lean = lean
+            no_boto_get(s, monkeypatch)
+        for s in (good, bad_key, no_bucket):
+            lean = {name: outcome(lambda: call(s)) for name, call in cases.items()}
+            assert lean == boto[id(s)], s
+        assert boto[id(good)]["range"] == ("ok", DATA[1000:71000])
+        assert boto[id(good)]["into"] == ("ok", DATA[777:777 + 2 * (1 << 20) + 5])
+        assert boto[id(good)]["missing"][0] == "ObjectNotFound"
+        assert boto[id(good)]["past end"] == ("ObjectRangeError", len(DATA))
+        assert {o[0] for o in boto[id(bad_key)].values()} == {"ObjectStoreError"}
+        with pytest.raises(ObjectStoreError, match="refused"):
+            bad_key.get_range("obj", 0, 1)
+        with pytest.raises(ObjectStoreError, match="does not exist"):
+            no_bucket.get_range("obj", 0, 1)
+    finally:
+        for s in (good, bad_key, no_bucket):
+            s.close()
+
+
+def test_lean_get_retries_transient_faults_only(rgw, lean_bucket, fault_proxy, monkeypatch):  # noqa: F811
+    """Through the fault proxy, max_attempts=3: a burst of 5xx, a truncated body or a reset shorter than the
+    attempts is hidden by a retry; a lasting one ends as ObjectStoreUnavailable after exactly 3 requests, with
+    no signature in its message."""
+    s = make(fault_proxy.endpoint_url, rgw)
+    no_boto_get(s, monkeypatch)
+    want = DATA[4096:4096 + 2 * (1 << 20)]
+    bufs = [memoryview(bytearray(1 << 20)) for _ in range(2)]
+
+    def into():
+        for b in bufs:
+            b[:] = b"\0" * len(b)
+        s.get_range_into("obj", 4096, bufs)
+        return b"".join(bytes(b) for b in bufs)
+
+    faults = [("error", dict(status=503, code="SlowDown")), ("error", dict(status=500, code="InternalError")),
+              ("truncate", dict(fraction=0.5)), ("reset", dict(phase="response")), ("reset", dict(phase="request"))]
+    try:
+        for mode, kw in faults:
+            for count, call in ((2, into), (2, lambda: s.get_range("obj", 4096, len(want)))):
+                fault_proxy.set(mode, methods=["GET"], count=count, **kw)
+                assert call() == want, (mode, kw)
+            before = fault_proxy.stats()["requests"]
+            fault_proxy.set(mode, methods=["GET"], **kw)
+            kind, _ = outcome(into)
+            fault_proxy.passthrough()
+            assert kind == "ObjectStoreUnavailable", (mode, kw, kind)
+            assert fault_proxy.stats()["requests"] - before == 3, (mode, kw)
+        assert into() == want  # the pool's connections still work after the resets
+        with pytest.raises(ObjectStoreUnavailable, match="lean/obj"):
+            fault_proxy.set("error", methods=["GET"], status=503, code="SlowDown")
+            s.get_range("obj", 0, 10)
+    finally:
+        fault_proxy.passthrough()
+        s.close()
+
+
+def test_lean_get_network_errors_name_no_signature(rgw, lean_bucket):  # noqa: F811
+    """A refused connection: ObjectStoreUnavailable naming the object, not the presigned URL's query."""
+    from ceph_rgw import free_port
+
+    s = make(f"http://127.0.0.1:{free_port()}", rgw, max_attempts=2, connect_timeout=1)
+    try:
+        assert s._lean is not None
+        with pytest.raises(ObjectStoreUnavailable, match="lean/obj") as ei:
+            s.get_range("obj", 0, 10)
+        text = f"{ei.value} {ei.value.cause!r}"
+        assert "X-Amz-" not in text and "127.0.0.1" in text, text
+    finally:
+        s.close()
