@@ -33,6 +33,7 @@ import concurrent.futures
 import email.utils
 import http.client
 import io
+import ipaddress
 import logging
 import os
 import random
@@ -40,6 +41,7 @@ import re
 import secrets
 import threading
 import time
+import urllib.parse
 import uuid
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -93,6 +95,22 @@ def _make_client(profile: str | None, region: str | None, **kwargs: Any) -> tupl
         region = region or session.region_name or "us-east-1"
         kwargs["config"] = kwargs["config"].merge(type(kwargs["config"])(region_name=region))
         return session.client("s3", **kwargs), region
+
+
+def _is_loopback(url: str | None) -> bool:
+    """Is `url`'s host this machine's loopback (localhost, 127.0.0.0/8, ::1)? Names are not resolved."""
+    if not url:
+        return False
+    try:
+        host = urllib.parse.urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Secret:
@@ -202,6 +220,8 @@ class S3ObjectStore(ObjectStore):
       list_page_size         keys per ListObjectsV2 page (1..1000)
       tls_verify             True, False, or a CA bundle path
       conditional_put        'auto' (probe once, fall back to head+put if the server cannot), 'native', 'emulate'
+      payload_signing        whether an upload's SigV4 signature covers a SHA-256 of its body: 'always', 'never',
+                             or 'auto' (not over verified TLS nor to a loopback endpoint; see _payload_signing)
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
@@ -211,7 +231,8 @@ class S3ObjectStore(ObjectStore):
                  retry_mode: str = "standard", max_pool_connections: int = 64,
                  multipart_threshold: int = 64 * MiB, multipart_part_size: int = 16 * MiB,
                  multipart_concurrency: int = 4,
-                 list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto"):
+                 list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto",
+                 payload_signing: str = "auto"):
         if not bucket or not isinstance(bucket, str):
             raise ValueError("S3 object store: the bucket name is missing")
         self.bucket = bucket
@@ -242,6 +263,7 @@ class S3ObjectStore(ObjectStore):
         self.tls_verify = tls_verify
         self.conditional_put = _choice("conditional_put", conditional_put, ("auto", "native", "emulate"))
         self._cond_mode: str | None = None if self.conditional_put == "auto" else self.conditional_put
+        self.payload_signing = _choice("payload_signing", payload_signing, ("auto", "always", "never"))
         self._init_runtime()
 
     # ---------------------------------------------------------------------------------------------- setup
@@ -280,12 +302,20 @@ class S3ObjectStore(ObjectStore):
         self._lean = LeanGet.of(self._client, self.bucket) if self.retry_mode != "adaptive" else None
 
     def _payload_signing(self) -> dict[str, bool]:
-        """Over verified TLS the body is not SHA-256 hashed for the SigV4 signature (UNSIGNED-PAYLOAD): TLS already
-        protects it, and the hash costs about as much CPU per uploaded byte as lz4 compression. botocore only skips
-        it when a checksum header is sent, which the settings above turn off for older servers. Over plain HTTP,
-        or TLS without verification, the signature keeps covering the body."""
+        """Does an upload's SigV4 signature cover a SHA-256 of its body? The hash costs about as much CPU per
+        uploaded byte as lz4 compression. Without it (UNSIGNED-PAYLOAD) the signature still covers the method,
+        key, headers and metadata, but not the bytes: whoever can alter the traffic in flight can alter what is
+        stored (upload.verify=full reads every object back and checks its crc32c, which catches corruption, not
+        a forger). 'auto' leaves it out where nobody else is in the path: verified TLS (which protects the body
+        itself), or an endpoint on this host's loopback (reaching that traffic needs this host already). botocore
+        only leaves it out by itself when a checksum header is sent, which the settings above turn off for older
+        servers, hence the explicit setting."""
+        if self.payload_signing != "auto":
+            return {"payload_signing_enabled": self.payload_signing == "always"}
         https = self.endpoint_url is None or self.endpoint_url.lower().startswith("https://")
-        return {"payload_signing_enabled": False} if https and self.tls_verify is not False else {}
+        if (https and self.tls_verify is not False) or _is_loopback(self.endpoint_url):
+            return {"payload_signing_enabled": False}
+        return {}
 
     def _transfer_manager(self):
         with self._lock:
