@@ -148,3 +148,27 @@ def test_lean_get_network_errors_name_no_signature(rgw, lean_bucket):  # noqa: F
         assert "X-Amz-" not in text and "127.0.0.1" in text, text
     finally:
         s.close()
+
+
+def test_lean_get_into_resumes_after_the_buffers_it_reported(rgw, lean_bucket, fault_proxy):  # noqa: F811
+    """get_range_into reports each buffer as it fills (the block cache answers waiting reads from it at once),
+    so a retry after a truncated or reset body must not write those buffers again: it asks for the rest only.
+    Fails on 083a9cb (no progress reports; a retry fetched everything again)."""
+    s = make(fault_proxy.endpoint_url, rgw)
+    MiB = 1 << 20
+    big = random.Random(8).randbytes(8 * MiB)
+    try:
+        s.put("big", big)
+        for mode, kw in (("truncate", dict(fraction=0.6)), ("reset", dict(phase="response"))):
+            bufs = [memoryview(bytearray(MiB)) for _ in range(8)]
+            calls: list[int] = []
+            before = fault_proxy.stats()["bytes_down"]
+            fault_proxy.set(mode, methods=["GET"], count=1, **kw)
+            s.get_range_into("big", 0, bufs, calls.append)
+            down = fault_proxy.stats()["bytes_down"] - before
+            assert b"".join(bytes(b) for b in bufs) == big, mode
+            assert calls == list(range(1, 9)), (mode, calls)
+            assert down < 10.5 * MiB, (mode, down)  # fetched again from the start: 12 MiB or more
+    finally:
+        fault_proxy.passthrough()
+        s.close()

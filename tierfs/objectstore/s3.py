@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .base import (CRC32C_META, Metadata, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError,
                    ObjectStore, ObjectStoreError, ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c,
@@ -729,18 +729,20 @@ class S3ObjectStore(ObjectStore):
             self._backoff(attempt)
         raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
 
-    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview],
+                       progress: Callable[[int], None] | None = None) -> None:
         """As the base class says: a 206 answer of the expected length, not content-encoded, is read from the HTTP
         response straight into the buffers (`readinto` on http.client's response under urllib3's), no bytes
         object in between; any other answer takes get_range's path and is copied. Over the lean GET unless
-        retry_mode is 'adaptive'."""
+        retry_mode is 'adaptive'; there `progress` is called as each buffer fills, and a retry asks only for the
+        bytes after the last buffer reported (the boto3 path never calls it)."""
         length = sum(len(b) for b in bufs)
         full = self._full(key)
         check_range(key, start, length)
         if length == 0:
             return
         if self._lean is not None:
-            self._lean_get(key, full, start, length, bufs)
+            self._lean_get(key, full, start, length, bufs, progress)
             return
         last: BaseException | None = None
         for attempt in range(self.max_attempts):
@@ -768,17 +770,30 @@ class S3ObjectStore(ObjectStore):
             self._backoff(attempt)
         raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
 
-    def _lean_get(self, key: str, full: str, start: int, length: int,
-                  bufs: Sequence[memoryview] | None) -> bytes | None:
+    def _lean_get(self, key: str, full: str, start: int, length: int, bufs: Sequence[memoryview] | None,
+                  progress: Callable[[int], None] | None = None) -> bytes | None:
         """get_range (bufs None: the bytes) or get_range_into over LeanGet. The store does the retrying here:
         transport failures, answers that map to ObjectStoreUnavailable (5xx, 429, throttling) and bodies that break
         or end short are tried again, up to max_attempts in all, with backoff; every other answer raises what the
         boto3 path raises for it. A 206 of the expected length is read in one copy (into `bufs`, or one bytes
-        object); any other 2xx is read whole and cut as get_range's boto3 path cuts it."""
+        object); any other 2xx is read whole and cut as get_range's boto3 path cuts it. Buffers that filled are
+        reported through `progress` and never written again: a retry asks for the bytes after them."""
         last: BaseException | None = None
+        done = 0  # bufs[:done] are filled and reported
+        whole_start, whole_length = start, length
+
+        def filled() -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done)
+
         for attempt in range(self.max_attempts):
             if attempt:
                 self._backoff(attempt - 1)
+            if done:
+                skip = sum(len(b) for b in bufs[:done])
+                start, length = whole_start + skip, whole_length - skip
             try:
                 answer = self._lean.open(full, start, length)
             except Exception as e:  # noqa: BLE001 - translated, original chained
@@ -792,7 +807,7 @@ class S3ObjectStore(ObjectStore):
                 if fp is not None:
                     if bufs is None:
                         return read_plain(answer, fp)
-                    got = readinto_plain(answer, fp, bufs)
+                    got = readinto_plain(answer, fp, bufs[done:], filled)
                     if got == length:
                         return None
                     last = ObjectStoreError(key, f"short read: {got} of {length} bytes")
@@ -810,7 +825,7 @@ class S3ObjectStore(ObjectStore):
             if bufs is None:
                 return content
             view, pos = memoryview(content), 0
-            for b in bufs:
+            for b in bufs[done:]:
                 b[:] = view[pos:pos + len(b)]
                 pos += len(b)
             return None

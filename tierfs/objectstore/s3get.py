@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import http.client
 import xml.etree.ElementTree as ET
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 PRESIGN_SECONDS = 900  # a URL is used at once; this only bounds clock skew and slow connection setup
 _ERROR_BODY_MAX = 64 * 1024  # an S3 error document is small; a huge non-2xx body is not read whole
@@ -59,8 +59,10 @@ class Answer:
             self.raw.close()
 
 
-def readinto_plain(answer: Answer, fp: http.client.HTTPResponse, bufs: Sequence[memoryview]) -> int:
-    """Read a plain answer's body straight into `bufs` (no bytes object in between); the bytes read."""
+def readinto_plain(answer: Answer, fp: http.client.HTTPResponse, bufs: Sequence[memoryview],
+                   filled: Callable[[], None] | None = None) -> int:
+    """Read a plain answer's body straight into `bufs` (no bytes object in between), calling `filled()` as each
+    buffer is full; the bytes read."""
     got = 0
     whole = False
     try:
@@ -71,6 +73,8 @@ def readinto_plain(answer: Answer, fp: http.client.HTTPResponse, bufs: Sequence[
                     return got
                 got += n
                 b = b[n:]
+            if filled is not None:
+                filled()
         whole = fp.isclosed()  # http.client closes its file once Content-Length bytes were read
         return got
     finally:
