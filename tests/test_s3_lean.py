@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from ceph_rgw import rgw  # noqa: F401  (session fixture)
+from test_datapath import store_4mib  # noqa: F401  (module fixture: a store with 4 MiB CommitLog segments)
 from tierfs.objectstore import ObjectStoreError, ObjectStoreUnavailable, open_store, s3get
 
 BUCKET = "tierfs-lean-get"
@@ -172,3 +173,51 @@ def test_lean_get_into_resumes_after_the_buffers_it_reported(rgw, lean_bucket, f
     finally:
         fault_proxy.passthrough()
         s.close()
+
+
+def test_a_waiting_read_is_answered_before_its_get_ends(mount_store, store_4mib, rgw, fault_proxy):  # noqa: F811
+    """A sequential reader that catches up with a read-ahead GET gets each block as it arrives, not when the
+    whole GET has: with every GET body over 3 blocks held after 3 (fault proxy `pause`), the reads of the blocks
+    that came in are answered while the GET is still held. Fails on 1bbdc34: they wait for the whole GET and
+    end in EIO after objectstore.read_timeout_seconds."""
+    import json
+    import os
+
+    from mountutil import evict, wait_for
+
+    rgw.make_bucket("tierfs-early-land")
+    block, seg = 64 << 10, "commitlog/00000000000000000000"
+    m = mount_store(options=[
+        "tiering.enabled=true,cache.max_bytes=64KiB,cache.block_bytes=64KiB,objectstore.chunk_bytes=1MiB,"
+        "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,broker.max_hash_slot_num=500,"
+        "broker.max_index_num=2000,delete.grace_seconds=0,compaction.enabled=false,"
+        f"objectstore.url=s3://tierfs-early-land/stores,objectstore.endpoint_url={fault_proxy.endpoint_url},"
+        f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+        "objectstore.addressing=path,objectstore.read_timeout_seconds=3,objectstore.max_attempts=2"])
+    ref = (store_4mib / seg).read_bytes()
+    (m.mnt / "commitlog").mkdir(exist_ok=True)
+    (m.mnt / seg).write_bytes(ref)
+
+    def evicted() -> bool:
+        files = {f["path"]: f for f in json.loads((m.ctl / "status.json").read_text())["files"]}
+        f = files.get(seg, {})
+        return f.get("state") == "tiered" and f.get("resident_bytes", 1 << 30) <= 8192
+    wait_for(evicted, timeout=60, what=f"{seg} tiered and evicted")
+    evict(m.mnt / seg)
+
+    fault_proxy.set("pause", methods=["GET"], pause_after=3 * block)
+    try:
+        fd = os.open(m.mnt / seg, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # the kernel asks for what is read, no more
+            for b in range(4):  # block 0 comes alone; the read-ahead GET behind it is held after its 3rd block
+                assert os.pread(fd, block, b * block) == ref[b * block:(b + 1) * block], b
+            st = fault_proxy.stats()
+            assert st["faults"]["pause"] >= 1 and st["active"] >= 1, st  # that GET is still held
+        finally:
+            os.close(fd)
+    finally:
+        fault_proxy.passthrough()
+    evict(m.mnt / seg)
+    assert (m.mnt / seg).read_bytes() == ref
+    assert m.alive()
