@@ -17,6 +17,8 @@ faults after which the mode falls back to pass):
     truncate   forward, keep the upstream's Content-Length, send `fraction` of the body, then close the connection
     corrupt    forward, flip one byte in the middle of the body (same length: only a checksum can tell)
     stall      accept and read the request, answer nothing until the mode changes (then close the connection)
+    pause      forward; a body longer than `pause_after` bytes stops after that many until the mode changes
+               (at most 60 s), then goes on: a GET that is slow in its middle
 
 Control, on the proxy's own port (bucket names cannot start with '_', so it never shadows S3):
 
@@ -54,12 +56,13 @@ from pathlib import Path
 from typing import Any
 
 CONTROL_PREFIX = "/_fault/"
-MODES = ("pass", "latency", "error", "reset", "truncate", "corrupt", "stall")
+MODES = ("pass", "latency", "error", "reset", "truncate", "corrupt", "stall", "pause")
 PIECE = 64 * 1024
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
                "trailer", "trailers", "transfer-encoding", "upgrade", "expect"}
 _DEFAULTS: dict[str, Any] = {"mode": "pass", "latency_ms": 0, "status": 503, "code": "SlowDown", "phase": "request",
-                             "fraction": 0.5, "probability": 1.0, "count": None, "methods": None}
+                             "fraction": 0.5, "probability": 1.0, "count": None, "methods": None,
+                           "pause_after": 0}
 
 
 class Faults:
@@ -212,6 +215,14 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
                     break
         raise _Abort
 
+    def _wait_for_change(self, epoch: int, limit: float) -> None:
+        """Block until the settings change (or `limit` seconds pass)."""
+        faults = self.server.faults
+        deadline = time.monotonic() + limit
+        with faults.cond:
+            while faults.epoch == epoch and time.monotonic() < deadline:
+                faults.cond.wait(0.2)
+
     def _error(self, status: int, code: str) -> None:
         body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>injected by faultproxy'
                 f'</Message><Resource>{self.path.split("?", 1)[0]}</Resource><RequestId>faultproxy-'
@@ -351,11 +362,20 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
         if total and mode in ("truncate", "reset") and fault:
             cut = int(total * (fault["fraction"] if mode == "truncate" else 0.5))
         flip = total // 2 if total and mode == "corrupt" else None
+        pause = int(fault["pause_after"]) if mode == "pause" and total and total > int(fault["pause_after"]) else None
         sent = 0
         while True:
             piece = resp.read1(PIECE) if self.command != "HEAD" else b""
             if not piece:
                 break
+            if pause is not None and sent + len(piece) > pause:
+                head, piece = piece[:pause - sent], piece[pause - sent:]
+                self.wfile.write(head)
+                self.wfile.flush()
+                sent += len(head)
+                self.server.faults.bytes_down += len(head)
+                self._wait_for_change(fault["epoch"], 60.0)
+                pause = None
             if flip is not None and sent <= flip < sent + len(piece):
                 b = bytearray(piece)
                 b[flip - sent] ^= 0xFF

@@ -417,8 +417,9 @@ def test_put_stream_stores_what_was_produced_with_its_crc32c(store, size, monkey
 
 
 def test_s3_body_hashed_for_the_signature_only_without_verified_tls():
-    """UNSIGNED-PAYLOAD over verified TLS (the hash costs as much CPU as lz4 per uploaded byte); plain HTTP or
-    unverified TLS keep the body under the signature. Building a client makes no request."""
+    """payload_signing=auto: UNSIGNED-PAYLOAD over verified TLS or to a loopback endpoint (the hash costs as much
+    CPU as lz4 per uploaded byte); plain HTTP to another host or unverified TLS keep the body under the
+    signature; always / never as said. Building a client makes no request."""
     def signing(**kw):
         s = open_store("s3://bucket/p", access_key="a", secret_key="b", region="us-east-1", **kw)
         try:
@@ -427,8 +428,46 @@ def test_s3_body_hashed_for_the_signature_only_without_verified_tls():
             s.close()
 
     assert signing() is False and signing(endpoint_url="https://s3.example.net") is False
-    assert signing(endpoint_url="http://127.0.0.1:7480") is None
+    for local in ("http://127.0.0.1:7480", "http://127.3.2.1", "http://localhost:80", "http://[::1]:7480"):
+        assert signing(endpoint_url=local) is False, local
+    for remote in ("http://10.0.0.5:7480", "http://s3.example.net", "http://localhost.example.net:7480"):
+        assert signing(endpoint_url=remote) is None, remote
     assert signing(endpoint_url="https://s3.example.net", tls_verify=False) is None
+    assert signing(endpoint_url="https://s3.example.net", payload_signing="always") is True
+    assert signing(endpoint_url="http://10.0.0.5:7480", payload_signing="never") is False
+    with pytest.raises(ValueError, match="payload_signing='sometimes'.*auto, always, never"):
+        signing(payload_signing="sometimes")
+
+
+def test_s3_payload_signing_on_the_wire(rgw, s3_bucket):  # noqa: F811
+    """What the uploads really send to RGW over plain HTTP on 127.0.0.1, and that RGW stores it: auto and never
+    send UNSIGNED-PAYLOAD (PutObject and multipart parts), always the body's SHA-256. Fails on 5a3c12a (no
+    payload_signing option; loopback HTTP was always hashed)."""
+    import hashlib
+
+    body = random.Random(3).randbytes(9 * MiB)  # above make_s3's multipart threshold: put goes in parts
+    small = b"small object"
+    for mode, unsigned in (("auto", True), ("never", True), ("always", False)):
+        s = make_s3(rgw, f"sign/{mode}/{uuid.uuid4().hex[:8]}", payload_signing=mode)
+        sent: list[str] = []
+
+        def seen(request, **_):
+            v = request.headers.get("X-Amz-Content-SHA256")
+            sent.append(v.decode() if isinstance(v, bytes) else v)
+
+        s._client.meta.events.register("before-send.s3.PutObject", seen)
+        s._client.meta.events.register("before-send.s3.UploadPart", seen)
+        try:
+            s.put("small", small)
+            s.put("big", body)
+            assert s.get("small") == small and s.get_range("big", 0, len(body)) == body
+        finally:
+            s.close()
+        assert len(sent) >= 3, (mode, sent)
+        if unsigned:
+            assert set(sent) == {"UNSIGNED-PAYLOAD"}, (mode, sent)
+        else:
+            assert sent[0] == hashlib.sha256(small).hexdigest() and "UNSIGNED-PAYLOAD" not in sent, (mode, sent)
 
 
 def test_put_stream_failing_producer_stores_nothing(store):

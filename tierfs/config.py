@@ -151,6 +151,12 @@ SCHEMA: tuple[Key, ...] = (
         minimum=1, maximum=50),
     Key("objectstore.read_timeout_seconds", "float", 30.0,
         "Longest a read of evicted bytes waits on the object store before it fails with EIO.", minimum=0.1),
+    Key("objectstore.payload_signing", "choice", "auto",
+        "Whether an S3 upload's SigV4 signature also covers a SHA-256 of its body (CPU: about as much as lz4 per "
+        "uploaded byte). Without it, anyone able to alter the traffic can alter the stored bytes undetected by "
+        "the server (upload.verify=full still reads them back). auto: not over verified TLS (TLS protects the "
+        "body) nor to a loopback endpoint (127.0.0.0/8, ::1, localhost); signed otherwise. always, never: as said.",
+        choices=("auto", "always", "never")),
     Key("objectstore.chunk_bytes", "size", 16 << 20,
         "Segments are stored as chunk objects of this size (a multiple of cache.block_bytes).", minimum=1 << 16),
     Key("store.id", "str", "", "Store id in object keys (<store-id>/seg/...). Empty: generated once, kept in "

@@ -391,10 +391,16 @@ class ObjectStore(abc.ABC):
         key does not exist. length == 0 returns b'' without any I/O.
         """
 
-    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview],
+                       progress: Callable[[int], None] | None = None) -> None:
         """Fill `bufs`, in order, with the bytes of `key` from offset `start` (one ranged GET of their total
         length), with the errors of `get_range`. A caller that keeps its buffers and reuses them touches no fresh
-        memory per read (page faults cost as much as the copy on a VM). On an error the buffers hold garbage.
+        memory per read (page faults cost as much as the copy on a VM). On an error the buffers hold garbage,
+        except those already reported through `progress`.
+
+        `progress(k)`, in the calling thread, says bufs[:k] hold their final bytes: this call never writes them
+        again (a retry resumes after them), so the caller may use them while the rest arrives. A store may report
+        late, or never (the caller then knows at the return).
 
         This default reads with `get_range` and copies; S3 and posix read into the buffers directly."""
         data = memoryview(self.get_range(key, start, sum(len(b) for b in bufs)))

@@ -349,7 +349,9 @@ class PosixObjectStore(ObjectStore):
         self.get_range_into(key, start, [memoryview(buf)])
         return bytes(buf)
 
-    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview],
+                       progress: Callable[[int], None] | None = None) -> None:
+        """As the base class says; one preadv, so `progress` is not called (the return says it all)."""
         length = sum(len(b) for b in bufs)
         check_range(key, start, length)
         if length == 0:

@@ -6,6 +6,11 @@ checksums (botocore >= 1.36 would otherwise add CRC32 trailers that older server
 checksum every ranged read), short connect timeout, bounded retries (`max_attempts` total attempts, 'standard' or
 'adaptive' mode) and our own bounded re-read when a response body breaks mid-stream.
 
+Ranged reads (`get_range`, `get_range_into`: the cold-read path) skip botocore's request machinery: a presigned
+URL from the same client, sent over the client's own HTTP session, read straight into the caller's buffers
+(tierfs.objectstore.s3get); this store retries them itself and maps their answers as it maps boto3's. With
+retry_mode 'adaptive' they stay boto3 calls (its client-side rate limiting lives in botocore's retry handler).
+
 Uploads: `put` is one PutObject; `put_file` goes through one shared boto3 TransferManager (multipart above
 `multipart_threshold`, parts of `multipart_part_size`, `multipart_concurrency` parts in flight; the engine's
 uploader paces uploads itself, `upload.bandwidth_bytes_per_second`). Memory is bounded by part size times
@@ -26,7 +31,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import email.utils
+import http.client
 import io
+import ipaddress
 import logging
 import os
 import random
@@ -34,12 +41,14 @@ import re
 import secrets
 import threading
 import time
+import urllib.parse
 import uuid
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .base import (CRC32C_META, Metadata, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError,
                    ObjectStore, ObjectStoreError, ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c,
                    source_length, validate_key, validate_prefix)
+from .s3get import Answer, LeanGet, read_plain, readinto_plain
 
 log = logging.getLogger("tierfs.objectstore.s3")
 
@@ -86,6 +95,22 @@ def _make_client(profile: str | None, region: str | None, **kwargs: Any) -> tupl
         region = region or session.region_name or "us-east-1"
         kwargs["config"] = kwargs["config"].merge(type(kwargs["config"])(region_name=region))
         return session.client("s3", **kwargs), region
+
+
+def _is_loopback(url: str | None) -> bool:
+    """Is `url`'s host this machine's loopback (localhost, 127.0.0.0/8, ::1)? Names are not resolved."""
+    if not url:
+        return False
+    try:
+        host = urllib.parse.urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Secret:
@@ -195,6 +220,8 @@ class S3ObjectStore(ObjectStore):
       list_page_size         keys per ListObjectsV2 page (1..1000)
       tls_verify             True, False, or a CA bundle path
       conditional_put        'auto' (probe once, fall back to head+put if the server cannot), 'native', 'emulate'
+      payload_signing        whether an upload's SigV4 signature covers a SHA-256 of its body: 'always', 'never',
+                             or 'auto' (not over verified TLS nor to a loopback endpoint; see _payload_signing)
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
@@ -204,7 +231,8 @@ class S3ObjectStore(ObjectStore):
                  retry_mode: str = "standard", max_pool_connections: int = 64,
                  multipart_threshold: int = 64 * MiB, multipart_part_size: int = 16 * MiB,
                  multipart_concurrency: int = 4,
-                 list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto"):
+                 list_page_size: int = 1000, tls_verify: bool | str = True, conditional_put: str = "auto",
+                 payload_signing: str = "auto"):
         if not bucket or not isinstance(bucket, str):
             raise ValueError("S3 object store: the bucket name is missing")
         self.bucket = bucket
@@ -235,6 +263,7 @@ class S3ObjectStore(ObjectStore):
         self.tls_verify = tls_verify
         self.conditional_put = _choice("conditional_put", conditional_put, ("auto", "native", "emulate"))
         self._cond_mode: str | None = None if self.conditional_put == "auto" else self.conditional_put
+        self.payload_signing = _choice("payload_signing", payload_signing, ("auto", "always", "never"))
         self._init_runtime()
 
     # ---------------------------------------------------------------------------------------------- setup
@@ -269,14 +298,24 @@ class S3ObjectStore(ObjectStore):
                 kwargs["aws_session_token"] = token
         self._client, self._region = _make_client(self.profile, self.region, endpoint_url=self.endpoint_url,
                                                   verify=self.tls_verify, config=config, **kwargs)
+        # adaptive mode rate-limits inside botocore's retry handler, which the lean GET does not go through
+        self._lean = LeanGet.of(self._client, self.bucket) if self.retry_mode != "adaptive" else None
 
     def _payload_signing(self) -> dict[str, bool]:
-        """Over verified TLS the body is not SHA-256 hashed for the SigV4 signature (UNSIGNED-PAYLOAD): TLS already
-        protects it, and the hash costs about as much CPU per uploaded byte as lz4 compression. botocore only skips
-        it when a checksum header is sent, which the settings above turn off for older servers. Over plain HTTP,
-        or TLS without verification, the signature keeps covering the body."""
+        """Does an upload's SigV4 signature cover a SHA-256 of its body? The hash costs about as much CPU per
+        uploaded byte as lz4 compression. Without it (UNSIGNED-PAYLOAD) the signature still covers the method,
+        key, headers and metadata, but not the bytes: whoever can alter the traffic in flight can alter what is
+        stored (upload.verify=full reads every object back and checks its crc32c, which catches corruption, not
+        a forger). 'auto' leaves it out where nobody else is in the path: verified TLS (which protects the body
+        itself), or an endpoint on this host's loopback (reaching that traffic needs this host already). botocore
+        only leaves it out by itself when a checksum header is sent, which the settings above turn off for older
+        servers, hence the explicit setting."""
+        if self.payload_signing != "auto":
+            return {"payload_signing_enabled": self.payload_signing == "always"}
         https = self.endpoint_url is None or self.endpoint_url.lower().startswith("https://")
-        return {"payload_signing_enabled": False} if https and self.tls_verify is not False else {}
+        if (https and self.tls_verify is not False) or _is_loopback(self.endpoint_url):
+            return {"payload_signing_enabled": False}
+        return {}
 
     def _transfer_manager(self):
         with self._lock:
@@ -292,7 +331,7 @@ class S3ObjectStore(ObjectStore):
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_client", "_tm", "_lock", "_bx", "_net_errors", "_region")}
+                 if k not in ("_client", "_tm", "_lock", "_bx", "_net_errors", "_region", "_lean")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -672,6 +711,8 @@ class S3ObjectStore(ObjectStore):
         check_range(key, start, length)
         if length == 0:
             return b""
+        if self._lean is not None:
+            return self._lean_get(key, full, start, length, None)
         last: BaseException | None = None
         for attempt in range(self.max_attempts):
             resp = self._get_ranged(key, full, start, length)
@@ -688,14 +729,20 @@ class S3ObjectStore(ObjectStore):
             self._backoff(attempt)
         raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
 
-    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview]) -> None:
+    def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview],
+                       progress: Callable[[int], None] | None = None) -> None:
         """As the base class says: a 206 answer of the expected length, not content-encoded, is read from the HTTP
         response straight into the buffers (`readinto` on http.client's response under urllib3's), no bytes
-        object in between; any other answer takes get_range's path and is copied."""
+        object in between; any other answer takes get_range's path and is copied. Over the lean GET unless
+        retry_mode is 'adaptive'; there `progress` is called as each buffer fills, and a retry asks only for the
+        bytes after the last buffer reported (the boto3 path never calls it)."""
         length = sum(len(b) for b in bufs)
         full = self._full(key)
         check_range(key, start, length)
         if length == 0:
+            return
+        if self._lean is not None:
+            self._lean_get(key, full, start, length, bufs, progress)
             return
         last: BaseException | None = None
         for attempt in range(self.max_attempts):
@@ -703,7 +750,7 @@ class S3ObjectStore(ObjectStore):
             fp = self._plain_body(resp, length)
             try:
                 if fp is not None:
-                    got = self._readinto_body(resp, fp, bufs)
+                    got = readinto_plain(Answer(206, {}, resp["Body"]._raw_stream), fp, bufs)
                     if got == length:
                         return
                     raise ObjectStoreError(key, f"short read: {got} of {length} bytes")
@@ -723,18 +770,84 @@ class S3ObjectStore(ObjectStore):
             self._backoff(attempt)
         raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
 
+    def _lean_get(self, key: str, full: str, start: int, length: int, bufs: Sequence[memoryview] | None,
+                  progress: Callable[[int], None] | None = None) -> bytes | None:
+        """get_range (bufs None: the bytes) or get_range_into over LeanGet. The store does the retrying here:
+        transport failures, answers that map to ObjectStoreUnavailable (5xx, 429, throttling) and bodies that break
+        or end short are tried again, up to max_attempts in all, with backoff; every other answer raises what the
+        boto3 path raises for it. A 206 of the expected length is read in one copy (into `bufs`, or one bytes
+        object); any other 2xx is read whole and cut as get_range's boto3 path cuts it. Buffers that filled are
+        reported through `progress` and never written again: a retry asks for the bytes after them."""
+        last: BaseException | None = None
+        done = 0  # bufs[:done] are filled and reported
+        whole_start, whole_length = start, length
+
+        def filled() -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done)
+
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self._backoff(attempt - 1)
+            if done:
+                skip = sum(len(b) for b in bufs[:done])
+                start, length = whole_start + skip, whole_length - skip
+            try:
+                answer = self._lean.open(full, start, length)
+            except Exception as e:  # noqa: BLE001 - translated, original chained
+                err = self._range_error(e, key, start, length)
+                if not isinstance(err, ObjectStoreUnavailable):
+                    raise err from e
+                last = err
+                continue
+            try:
+                fp = answer.plain_fp(length)
+                if fp is not None:
+                    if bufs is None:
+                        return read_plain(answer, fp)
+                    got = readinto_plain(answer, fp, bufs[done:], filled)
+                    if got == length:
+                        return None
+                    last = ObjectStoreError(key, f"short read: {got} of {length} bytes")
+                    continue
+                data = answer.read_all()
+            except (http.client.HTTPException, *self._net_errors) as e:  # body broke mid-stream or ended short
+                last = e
+                continue
+            meta = {"ResponseMetadata": {"HTTPStatusCode": answer.status},
+                    "ContentRange": answer.headers.get("content-range")}
+            content = self._ranged_content(key, meta, data, start, length)
+            if content is None:
+                last = ObjectStoreError(key, f"short read: {len(data)} of {length} bytes")
+                continue
+            if bufs is None:
+                return content
+            view, pos = memoryview(content), 0
+            for b in bufs[done:]:
+                b[:] = view[pos:pos + len(b)]
+                pos += len(b)
+            return None
+        if isinstance(last, ObjectStoreUnavailable):
+            raise last
+        raise ObjectStoreUnavailable(key, last or "short reads", self._where(key), "get_range")
+
+    def _range_error(self, e: BaseException, key: str, start: int, length: int) -> ObjectStoreError:
+        """The store's error for a failed ranged GET: 416 / InvalidRange -> ObjectRangeError, else _translate."""
+        if isinstance(e, self._bx.ClientError):
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 416 or e.response.get("Error", {}).get("Code") == "InvalidRange":
+                return ObjectRangeError(key, start, length, self._size_from_error(e), self._where(key))
+        return self._translate(e, key, "get_range")
+
     def _get_ranged(self, key: str, full: str, start: int, length: int) -> Mapping[str, Any]:
         """One ranged GetObject; its body is still to be read. 416 / InvalidRange -> ObjectRangeError."""
         try:
             return self._client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}")
-        except self._bx.ClientError as e:
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 416 or e.response.get("Error", {}).get("Code") == "InvalidRange":
-                size = self._size_from_error(e)
-                raise ObjectRangeError(key, start, length, size, self._where(key)) from None
-            raise self._translate(e, key, "get_range") from e
         except Exception as e:  # noqa: BLE001
-            raise self._translate(e, key, "get_range") from e
+            err = self._range_error(e, key, start, length)
+            raise err from (None if isinstance(err, ObjectRangeError) else e)
 
     def _ranged_content(self, key: str, resp: Mapping[str, Any], data: bytes, start: int,
                         length: int) -> bytes | None:
@@ -765,28 +878,6 @@ class S3ObjectStore(ObjectStore):
         if (raw.headers.get("content-encoding") or "identity").lower() != "identity":
             return None
         return fp
-
-    @staticmethod
-    def _readinto_body(resp: Mapping[str, Any], fp: Any, bufs: Sequence[memoryview]) -> int:
-        """Read the body into `bufs`; the bytes read. The connection goes back to the pool only when the whole
-        body was read; otherwise it is closed (its stream position is unknown)."""
-        raw = resp["Body"]._raw_stream
-        got = 0
-        whole = False
-        try:
-            for b in bufs:
-                while len(b):
-                    n = fp.readinto(b)
-                    if not n:
-                        return got
-                    got += n
-                    b = b[n:]
-            whole = fp.isclosed()  # http.client closes its file once Content-Length bytes were read
-            return got
-        finally:
-            if whole:
-                raw.release_conn()
-            resp["Body"].close()
 
     def _size_from_error(self, e) -> int | None:
         headers = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}

@@ -24,7 +24,7 @@ import logging
 import os
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import crc32c
 import trio
@@ -72,14 +72,27 @@ def first_bad_block(first: int, data: bytes, crcs: list[int], lens: list[int]) -
 
 
 def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryview], first: int,
-                 crcs: list[int]) -> int | None:
-    """Blocking: one ranged GET of a raw chunk object straight into its blocks' buffers, and their crc32c check:
-    the first bad block, or None."""
-    store.get_range_into(key, start, views)
-    for i, (view, crc) in enumerate(zip(views, crcs)):
-        if crc32c.crc32c(view) != crc:
-            return first + i
-    return None
+                 crcs: list[int], early: Callable[[int], None] | None = None) -> int | None:
+    """Blocking: one ranged GET of a raw chunk object straight into its blocks' buffers, and their crc32c check
+    as each arrives: the first bad block, or None. `early(i)` is told of each good block i the store reports
+    before the GET ends (all blocks before it good too), so a waiting reader need not wait for the whole GET."""
+    checked = 0
+    bad: int | None = None
+
+    def progress(k: int) -> None:
+        nonlocal checked, bad
+        while checked < k:
+            i = checked
+            checked += 1
+            if bad is None and crc32c.crc32c(views[i]) != crcs[i]:
+                bad = first + i
+            elif bad is None and early is not None:
+                early(i)
+
+    store.get_range_into(key, start, views, progress)
+    early = None  # the GET is over: the fetch lands the rest itself
+    progress(len(views))
+    return bad
 
 
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
@@ -123,12 +136,18 @@ class Fetch:
     """One ranged GET in flight for a run of blocks. Its outcome travels with it: a reader gets the error of the
     fetch it waited for, never one left over from an earlier fetch of the same blocks."""
 
-    __slots__ = ("done", "error", "gave_up")
+    __slots__ = ("done", "error", "gave_up", "waiting", "arrived", "parts", "ready", "landed")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.error: str | None = None
         self.gave_up = False  # a reader already waited the whole bound on it
+        # Blocks landing one by one while the GET runs (raw chunks), for the readers waiting on it:
+        self.waiting = 0  # readers waiting on it (only then does the worker thread hop to the loop per block)
+        self.arrived = trio.Event()  # set (and replaced) when blocks landed that way, and at the end
+        self.parts: tuple | None = None  # (entry, generation, first block, views, buffers, prefetch) of the GET
+        self.ready = 0  # blocks [first, first+ready) are in and verified (written by the worker thread)
+        self.landed = 0  # blocks [first, first+landed) went into the pool ahead of the GET's end
 
 
 class BlockCache:
@@ -271,9 +290,23 @@ class BlockCache:
             # a read of these blocks already waited the whole bound and the fetch is still stuck: the kernel's
             # retry of a failed read-ahead lands here, and must not double the bound the caller sees
             raise ReadFailed(f"{e.path}: object store did not answer within {timeout} s (fetch still in flight)")
+        fid, gen, pool = e.file_id, e.generation, self.pool
         with trio.move_on_at(deadline) as scope:
             for f in fetches.values():
-                await f.done.wait()
+                f.waiting += 1
+            try:
+                while True:  # until the blocks asked for are in (a GET may land them before its end), or all ended
+                    pending = [f for f in fetches.values() if not f.done.is_set()]
+                    for f in pending:
+                        self._land_ready(f)  # what came in before anyone waited
+                    if all(e.is_resident(b) or (fid, gen, b) in pool for b in blocks):
+                        return
+                    if not pending:
+                        break
+                    await pending[0].arrived.wait()
+            finally:
+                for f in fetches.values():
+                    f.waiting -= 1
         if scope.cancelled_caught:
             for f in fetches.values():
                 f.gave_up = not f.done.is_set()
@@ -385,11 +418,13 @@ class BlockCache:
         return e.objects[0] if e.format == "lz4c" else e.objects[layout.raw_chunk_of(first, e.chunk_bytes,
                                                                                     e.block_bytes)[0]]
 
-    async def _read_blocks(self, e: Entry, first: int, n: int) -> tuple[list[memoryview], list[Buffer], int | None]:
+    async def _read_blocks(self, e: Entry, first: int, n: int, fetch: Fetch | None = None,
+                           prefetch: bool = False) -> tuple[list[memoryview], list[Buffer], int | None]:
         """The content of blocks [first, first+n) from the object store (a view per block, and the pool's buffers
         they live in, held once for the caller to release; none for lz4c), and the first block that fails its
         crc32c (None: all good): one ranged GET of a raw chunk object into reused buffers, or of the covering lz4
-        blocks of an lz4c object. GET, decompression and the check all run in one worker thread, off the loop."""
+        blocks of an lz4c object. GET, decompression and the check all run in one worker thread, off the loop.
+        A raw chunk's blocks can land one by one while the GET runs, for readers waiting on `fetch` (_land_ready)."""
         store = self.eng.store
         key = self._object_of(e, first)
         crcs = e.block_crcs[first:first + n]
@@ -405,14 +440,45 @@ class BlockCache:
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
         # taken in this task, never in the reader's: see Buffers (a reply may still read a buffer freed there)
         bufs = [self.pool.buffers.take(e.block_bytes) for _ in range(n)]
+        early = None
+        if fetch is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def early(i: int) -> None:  # worker thread: a hop to the loop per block only while a reader waits
+                fetch.ready = i + 1
+                if fetch.waiting:
+                    token.run_sync_soon(self._land_ready, fetch)
         try:
             views = [buf.view[:ln] for buf, ln in zip(bufs, lens)]
-            bad = await self.eng.io(_get_checked, store, key, start, views, first, crcs)
+            if fetch is not None:
+                fetch.parts, fetch.ready = (e, e.generation, first, views, bufs, prefetch), 0
+            bad = await self.eng.io(_get_checked, store, key, start, views, first, crcs, early)
         except BaseException:
             for buf in bufs:
                 self.pool.buffers.release(buf)
             raise
+        finally:
+            if fetch is not None:
+                fetch.parts = None  # the fetch lands the rest (or releases the buffers) itself now
         return views, bufs, bad
+
+    def _land_ready(self, fetch: Fetch) -> None:
+        """Blocks of a GET still running that are in and verified: into the pool now, for the readers waiting
+        on it (the fetch holds their buffers until it ends; _land then skips them). No await in here."""
+        parts = fetch.parts
+        if parts is None or fetch.landed >= fetch.ready:
+            return
+        e, gen, first, views, bufs, prefetch = parts
+        if not self._same(e, gen):
+            return
+        while fetch.landed < fetch.ready:
+            i = fetch.landed
+            fetch.landed += 1
+            key = (e.file_id, gen, first + i)
+            if key not in self.pool:
+                self.pool.put(key, views[i], unread=prefetch, reserve=self.prefetch_inflight, buf=bufs[i])
+        ev, fetch.arrived = fetch.arrived, trio.Event()
+        ev.set()
 
     async def _footer(self, key: str) -> "lz4c.Footer":
         """An lz4c object's block table, fetched once (trailer, then footer) and kept in memory."""
@@ -436,7 +502,7 @@ class BlockCache:
         try:
             for attempt in (1, 2):
                 try:
-                    views, bufs, bad = await self._read_blocks(e, first, n)
+                    views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
                 except lz4c.Lz4cError as err:
                     stats.corrupt_objects += 1
                     error = f"object {key} of {e.path} is corrupt: {err}"
@@ -456,7 +522,7 @@ class BlockCache:
                         if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
                             self.prefetch_inflight -= n * e.block_bytes
                             prefetch_counted = False
-                        self._land(e, gen, first, views, bufs, prefetch, scan)
+                        self._land(e, gen, first, views, bufs, prefetch, scan, fetch.landed)
                 finally:
                     for buf in bufs:  # the fetch's own hold: the pool and installs hold what they keep
                         self.pool.buffers.release(buf)
@@ -488,6 +554,7 @@ class BlockCache:
                     del self.inflight[k]
             fetch.error = None if prefetch else error
             fetch.done.set()
+            fetch.arrived.set()
 
     def _same(self, e: Entry, gen: int) -> bool:
         """Is `e` still the live tiered entry of its inode, at generation `gen`?"""
@@ -495,10 +562,10 @@ class BlockCache:
         return e.state is State.TIERED and e.generation == gen and eng.is_live(e) and eng.tiered.get(e.ino) is e
 
     def _land(self, e: Entry, gen: int, first: int, views: list[memoryview], bufs: list[Buffer], prefetch: bool,
-              scan: bool) -> None:
+              scan: bool, landed: int = 0) -> None:
         """Verified blocks arrive (a view per block, in `bufs` when they live in pool buffers): into the pool
         (readers are answered from there), and into the hot file in a worker thread when the cache budget wants
-        them kept. No await in here."""
+        them kept; the first `landed` views are in the pool already (_land_ready). No await in here."""
         if not self._same(e, gen):
             return
         fid = e.file_id
@@ -506,7 +573,8 @@ class BlockCache:
         for i, view in enumerate(views):
             b = first + i
             buf = bufs[i] if bufs else None
-            self.pool.put((fid, gen, b), view, unread=prefetch, reserve=self.prefetch_inflight, buf=buf)
+            if i >= landed:  # one landed early may have been read (and let go by the pool) already
+                self.pool.put((fid, gen, b), view, unread=prefetch, reserve=self.prefetch_inflight, buf=buf)
             if not e.is_resident(b) and (fid, gen, b) not in self.installing:
                 todo.append((b, view, buf))
         nbytes = sum(len(t[1]) for t in todo)

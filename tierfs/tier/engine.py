@@ -146,6 +146,7 @@ class Engine:
             "endpoint_url": c["objectstore.endpoint_url"] or None,
             "region": c["objectstore.region"] or None,
             "addressing": c["objectstore.addressing"],
+            "payload_signing": c["objectstore.payload_signing"],
             "access_key": c["objectstore.access_key_id"] or None,
             "secret_key": c["objectstore.secret_access_key"] or None,
             "max_attempts": c["objectstore.max_attempts"],
