@@ -186,6 +186,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("cache.low_watermark", "float", 0.75, "Eviction stops below this share of cache.max_bytes.",
         minimum=0.0, maximum=1.0),
     Key("cache.block_bytes", "size", 1 << 20, "Unit of residency, fetch and eviction.", minimum=1 << 12),
+    Key("cache.verify_bytes", "size", 4 << 10,
+        "Finer crc32c unit recorded at upload (divides cache.block_bytes): a random read of an evicted raw segment "
+        "fetches and checks only the units it touches instead of whole blocks. 0: whole blocks only.", minimum=0),
     Key("readahead.initial_blocks", "int", 2, "Read-ahead window when a stream starts sequential.", minimum=0),
     Key("readahead.batch_blocks", "int", 2, "Window growth per sequential hit (additive increase).", minimum=1),
     Key("readahead.max_blocks", "int", 64, "Largest read-ahead window per stream.", minimum=1),
