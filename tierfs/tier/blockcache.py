@@ -90,11 +90,16 @@ def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryvie
 
 
 def _get_units_checked(store: ObjectStore, key: str, start: int, length: int, first: int, table: bytes,
-                       unit: int) -> tuple[bytes, int | None]:
+                       unit: int) -> tuple[list[memoryview], int | None]:
     """Blocking: one ranged GET of verification units first, first+1, ... of a raw chunk object, and their crc32c
-    check: (the bytes, the first bad unit or None)."""
+    check: (a view per unit, the first bad unit or None). Each unit of a multi-unit GET is copied out, so a pooled
+    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps)."""
     data = store.get_range(key, start, length)
-    return data, units.first_bad(data, first, table, unit)
+    bad = units.first_bad(data, first, table, unit)
+    mv = memoryview(data)
+    if length <= unit:
+        return [mv], bad
+    return [memoryview(bytes(mv[p:p + unit])) for p in range(0, length, unit)], bad
 
 
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
@@ -531,10 +536,9 @@ class BlockCache:
         u = e.unit_bytes
         chunk_no = first * u // e.chunk_bytes
         start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
-        data, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length, first,
-                                      e.unit_crcs, u)
-        mv = memoryview(data)
-        return [mv[p:p + u] for p in range(0, length, u)], [], bad
+        views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
+                                       first, e.unit_crcs, u)
+        return views, [], bad
 
     async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool,
                      unit: bool = False) -> None:
@@ -588,8 +592,8 @@ class BlockCache:
                     error = None
                     break
                 stats.corrupt_objects += 1
-                what = f"bytes {bad * e.unit_bytes}+{e.unit_bytes} fail" if unit else f"block {bad} fails"
-                error = f"object {key} of {e.path} is corrupt: {what} its crc32c"
+                what = f"bytes {bad * e.unit_bytes}+{e.unit_bytes} fail their" if unit else f"block {bad} fails its"
+                error = f"object {key} of {e.path} is corrupt: {what} crc32c"
                 log.error("%s (attempt %d)", error, attempt)
         except Exception as err:  # never let a fetch task take the nursery down
             error = f"object {key} of {e.path}: {type(err).__name__}: {err}"
