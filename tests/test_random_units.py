@@ -136,3 +136,31 @@ def test_a_catalog_from_before_unit_tables_opens_with_none(tmp_path: Path):
         cat.put(e)  # and it writes back
     finally:
         cat.close()
+
+
+def test_snapshot_rows_carry_the_table_and_a_bad_one_is_refused():
+    """A read-only mount or a takeover gets the table from the snapshot row; rows are untrusted input."""
+    import dataclasses
+
+    import crc32c
+
+    from tierfs.tier import snapshot as snap
+    from tierfs.tier import units
+    from tierfs.tier.catalog import Entry, State, entry_to_row, row_to_entry
+
+    data = os.urandom(3 * 65536 + 1000)
+    key = "sid/seg/commitlog/00000000000000000000/3.raw/000000"
+    e = Entry(path="commitlog/00000000000000000000", kind="commitlog", size=len(data), mtime_ns=1,
+              state=State.TIERED, generation=3, chunk_bytes=4 * 65536, block_bytes=65536,
+              crc32c=crc32c.crc32c(data),
+              block_crcs=[crc32c.crc32c(data[i:i + 65536]) for i in range(0, len(data), 65536)],
+              objects=[key], unit_bytes=4096, unit_crcs=units.table(data, 4096))
+    back = row_to_entry(entry_to_row(e))
+    assert back.unit_bytes == 4096 and back.unit_crcs == e.unit_crcs and len(back.unit_crcs) == 4 * 49
+    snap._check_entry(back, "sid")
+    assert units.first_bad(data[8192:16384], 2, back.unit_crcs, 4096) is None
+    assert units.first_bad(data[8192:12288] + b"x" + data[12289:16384], 2, back.unit_crcs, 4096) == 3
+    for bad, msg in ((dict(unit_crcs=e.unit_crcs[:-4]), "table of 192 bytes for 49 units"),
+                     (dict(unit_bytes=3000), "does not divide")):
+        with pytest.raises(ValueError, match=msg):
+            snap._check_entry(dataclasses.replace(back, **bad), "sid")

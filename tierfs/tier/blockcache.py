@@ -423,6 +423,7 @@ class BlockCache:
         start = -off % CQ_UNIT
         stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
         reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
+        by_units = bool(eng.config["readahead.named_units"])
         want: dict[int, tuple[Entry, list[int]]] = {}
         last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
         for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
@@ -434,7 +435,7 @@ class BlockCache:
             c = eng.entries.get(f"{prefix}{base:020d}")
             if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
                 continue  # local (or unknown, or no reader has it open): nothing to fetch
-            bb = self._units(c) or c.block_bytes  # the record's verification units, or its blocks
+            bb = (by_units and self._units(c)) or c.block_bytes  # the record's verification units, or its blocks
             rel = phys - base
             slot = want.get(c.file_id)
             if slot is None:
@@ -450,7 +451,7 @@ class BlockCache:
         for c, pieces in want.values():
             self._named[c.file_id] = now
             fid, gen, pool, inflight = c.file_id, c.generation, self.pool, self.inflight
-            u = self._units(c)
+            u = self._units(c) if by_units else 0
             if u:  # verification units: those of a block that is local, pooled or being fetched are not needed
                 per = c.block_bytes // u
                 todo = [k for k in pieces if not c.is_resident(k // per) and (fid, gen, k // per) not in inflight
