@@ -66,7 +66,6 @@ def test_random_4k_reads_of_an_evicted_segment_fetch_at_most_16x(mount_store, st
     offsets = [rng.randrange(1, len(ref) // PAGE) * PAGE for _ in range(40)]
     fetched = random_reads(m, ref, A, offsets)
     needed = len(set(offsets)) * PAGE
-    print(f"random 4 KiB reads: fetched {fetched} bytes for {needed} read")
     assert 0 < fetched <= 16 * needed, f"fetched {fetched} bytes for {needed} bytes read"
     assert status(m)["totals"]["engine"]["unit_fetch_bytes"] >= needed
     # the same pages again: from memory, nothing fetched

@@ -58,7 +58,7 @@ NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
-UNITS_PER_GET = 64  # verification units a random read fetches in one GET at most (256 KiB of 4 KiB units)
+UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
 
 
 def _pwrite_blocks(fd: int, todo: list[tuple[int, memoryview, Buffer | None]], block_bytes: int) -> None:
