@@ -34,3 +34,16 @@ def test_random_jump_resets_and_small_header_peeks_do_not_prefetch():
     ra.on_read(SCAN_START_BYTES, 2 * SCAN_START_BYTES)
     assert ra.on_read(500 * MiB, 500 * MiB + 4096) == 0  # random
     assert ra.window == 2
+
+
+def test_small_reads_near_but_not_after_the_last_one_stay_random():
+    """Random 4 KiB reads of a small file land within the tolerance of each other all the time; each false start
+    fetched whole blocks ahead (a 4 MiB segment: 40 random reads fetched all of it). Contiguous small reads, and
+    large reads slightly out of order (kernel read-ahead), are still sequential."""
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    assert [ra.on_read(o, o + 4096) for o in (3 * MiB, 3 * MiB - 40960, 3 * MiB + 200704)] == [0, 0, 0]
+    assert ra.on_read(3 * MiB + 204800, 3 * MiB + 208896) == 4  # right after the last one
+    assert ra.on_read(3 * MiB + 215040, 3 * MiB + 219136) == 6  # near, following a sequential read
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    ra.on_read(0, 128 << 10)
+    assert ra.on_read(384 << 10, 512 << 10) == 4  # a large read out of order

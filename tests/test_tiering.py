@@ -363,7 +363,7 @@ def _timed_uploads(eng, nfiles: int, size: int) -> float:
     with concurrent.futures.ThreadPoolExecutor(nfiles) as pool:
         results = list(pool.map(eng.uploader.upload_blocking, entries))
     elapsed = time.monotonic() - t0
-    for e, (crc, _, keys) in zip(entries, results):
+    for e, (crc, _, keys, _) in zip(entries, results):
         assert crc == crc32c.crc32c((eng.hot / e.path).read_bytes())
         assert b"".join(eng.store.get(k) for k in keys) == (eng.hot / e.path).read_bytes()
     return elapsed

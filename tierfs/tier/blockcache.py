@@ -11,6 +11,12 @@ keeps the budget by LRU), the blocks of a sequential stream (prefetched, or aske
 the cache is below its low watermark, so a large scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
 A write or truncate of a tiered segment first fetches what it keeps and turns the file HOT at a new generation.
 
+A random read (no read-ahead window) of a raw segment that has a finer verification table (tierfs.tier.units)
+fetches only the verification units it touches (4 KiB by default) in one ranged GET, checks each, and is answered
+from the pool, where units live under the key (file id, generation, ~unit); they are not written into the hot
+file (the residency bitmap is per block). A block already being fetched whole is waited for instead. A compacted
+(lz4c) segment is compressed per block, so a random read of one still fetches and decodes the covering blocks.
+
 Concurrency rules: everything that checks residency and then touches hot-file bytes on the trio thread (pread,
 an inline install) does so with no `await` in between, so trio's cooperative scheduling makes it atomic. A block
 being installed by a worker thread is in `installing` until its bit is set: the evictor never punches it, and a
@@ -33,9 +39,9 @@ from tierfs import failpoints
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.consumequeue import UNIT_SIZE as CQ_UNIT
 from tierfs.store.paths import Kind, split_root
-from tierfs.tier import layout, lz4c
+from tierfs.tier import layout, lz4c, units
 from tierfs.tier.bufferpool import Buffer, BufferPool
-from tierfs.tier.catalog import Entry, State
+from tierfs.tier.catalog import Entry, State, unit_count
 from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
 
@@ -52,6 +58,7 @@ NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
+UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
 
 
 def _pwrite_blocks(fd: int, todo: list[tuple[int, memoryview, Buffer | None]], block_bytes: int) -> None:
@@ -95,6 +102,19 @@ def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryvie
     return bad
 
 
+def _get_units_checked(store: ObjectStore, key: str, start: int, length: int, first: int, table: bytes,
+                       unit: int) -> tuple[list[memoryview], int | None]:
+    """Blocking: one ranged GET of verification units first, first+1, ... of a raw chunk object, and their crc32c
+    check: (a view per unit, the first bad unit or None). Each unit of a multi-unit GET is copied out, so a pooled
+    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps)."""
+    data = store.get_range(key, start, length)
+    bad = units.first_bad(data, first, table, unit)
+    mv = memoryview(data)
+    if length <= unit:
+        return [mv], bad
+    return [memoryview(bytes(mv[p:p + unit])) for p in range(0, length, unit)], bad
+
+
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
                          lens: list[int]) -> tuple[bytes, int | None]:
     """Blocking: one ranged GET of the lz4 blocks covering blocks [first, first+n) of an lz4c object, their
@@ -102,6 +122,12 @@ def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", fi
     off, length = lz4c.block_span(footer, first, n)
     data = lz4c.decode_blocks(footer, first, n, store.get_range(key, off, length))
     return data, first_bad_block(first, data, crcs, lens)
+
+
+def unit_runs(e: Entry, wanted: list[int]) -> list[tuple[int, int]]:
+    """Group verification units into (first, count) runs that stay inside one chunk object, UNITS_PER_GET at most
+    (a random read's GET stays small)."""
+    return _runs(wanted, e.chunk_bytes // e.unit_bytes, UNITS_PER_GET)
 
 
 def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
@@ -120,12 +146,16 @@ def in_pinned(e: Entry, off: int, end: int) -> bool:
 
 def block_runs(e: Entry, blocks: list[int], max_blocks: int) -> list[tuple[int, int]]:
     """Group blocks into (first, count) runs that stay inside one chunk object."""
-    per_chunk = e.chunk_bytes // e.block_bytes  # an lz4c entry's "chunk" is the whole segment
+    return _runs(blocks, e.chunk_bytes // e.block_bytes, max_blocks)  # an lz4c entry's "chunk": the whole segment
+
+
+def _runs(pieces: list[int], per_chunk: int, most: int) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive pieces, `most` long at most, none crossing a multiple of per_chunk."""
     runs: list[tuple[int, int]] = []
-    for b in sorted(set(blocks)):
+    for b in sorted(set(pieces)):
         if runs:
             first, n = runs[-1]
-            if b == first + n and n < max_blocks and b // per_chunk == first // per_chunk:
+            if b == first + n and n < most and b // per_chunk == first // per_chunk:
                 runs[-1] = (first, n + 1)
                 continue
         runs.append((b, 1))
@@ -205,7 +235,8 @@ class BlockCache:
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
             missing = self._missing(e, off, end)
-            if not missing:
+            unit_gaps = self._missing_units(e, missing, off, end) if missing and not window else None
+            if not missing or unit_gaps == []:
                 data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
                 for b in range(off // bb, (end - 1) // bb + 1):
                     stream.consumed(b)
@@ -221,7 +252,10 @@ class BlockCache:
             waited = True
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
-            await self._ensure(e, missing, deadline, scan=window > 0)
+            if unit_gaps:
+                await self._ensure_units(e, unit_gaps, deadline)
+            else:
+                await self._ensure(e, missing, deadline, scan=window > 0)
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
 
     def _missing(self, e: Entry, off: int, end: int) -> list[int]:
@@ -232,9 +266,42 @@ class BlockCache:
         return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
                 if not e.is_resident(b) and (fid, gen, b) not in pool]
 
+    def _units(self, e: Entry) -> int:
+        """The verification unit a random read of `e` may fetch by, 0 when it has none (lz4c, an older row)."""
+        return e.unit_bytes if e.format == "raw" and len(e.unit_crcs) == 4 * unit_count(e) else 0
+
+    def _missing_units(self, e: Entry, missing: list[int], off: int, end: int) -> list[int] | None:
+        """The verification units of [off, end) in `missing` blocks not pooled, or None when the read must fetch
+        whole blocks (no table, or a block of it is being fetched whole: that fetch is waited for)."""
+        u = self._units(e)
+        if not u:
+            return None
+        fid, gen, bb, pool, inflight = e.file_id, e.generation, e.block_bytes, self.pool, self.inflight
+        out = []
+        for b in missing:
+            if (fid, gen, b) in inflight:
+                return None
+            lo, hi = max(off, b * bb), min(end, b * bb + e.block_len(b))
+            out += [k for k in range(lo // u, (hi - 1) // u + 1) if (fid, gen, ~k) not in pool]
+        return out
+
+    def _unit_views(self, e: Entry, lo: int, hi: int) -> list[memoryview] | None:
+        """[lo, hi) cut from pooled verification units, or None unless every one of them is pooled."""
+        u = e.unit_bytes
+        if not u:
+            return None
+        out = []
+        for k in range(lo // u, (hi - 1) // u + 1):
+            mv = self.pool.get((e.file_id, e.generation, ~k))
+            if mv is None:
+                return None
+            out.append(mv[max(lo, k * u) - k * u:min(hi, k * u + len(mv)) - k * u])
+        return out
+
     def _cut(self, e: Entry, off: int, end: int, sequential: bool) -> bytes | memoryview:
-        """The reply for [off, end), nothing missing: slices of pooled buffers, preads of resident runs (one per
-        run). A sequential reader is done with a block once it read to its end: the buffer goes. No await."""
+        """The reply for [off, end), nothing missing: slices of pooled buffers or verification units, preads of
+        resident runs (one per run). A sequential reader is done with a block once it read to its end: the buffer
+        goes. No await."""
         eng, pool, bb = self.eng, self.pool, e.block_bytes
         parts: list[bytes | memoryview] = []
         run_lo = run_hi = off  # a run of resident bytes not read yet
@@ -244,6 +311,13 @@ class BlockCache:
             lo, hi = max(off, b0), min(end, b1)
             key = (e.file_id, e.generation, b)
             mv = pool.get(key)
+            pieces = self._unit_views(e, lo, hi) if mv is None and not e.is_resident(b) else None
+            if pieces is not None:  # a random read's verification units
+                if run_hi > run_lo:
+                    parts.append(os.pread(eng.fd(e), run_hi - run_lo, run_lo))
+                run_lo = run_hi = hi
+                parts += pieces
+                continue
             if mv is None:  # resident (or a pinned page)
                 if run_hi != lo:
                     run_lo = lo
@@ -285,21 +359,43 @@ class BlockCache:
         for first, n in block_runs(e, todo, 8):
             f = self._start_fetch(e, first, n, prefetch=False, scan=scan)
             fetches[id(f)] = f
+        fid, gen, pool = e.file_id, e.generation, self.pool
+        await self._wait(e, fetches, deadline, lambda: all(e.is_resident(b) or (fid, gen, b) in pool for b in blocks))
+
+    async def _ensure_units(self, e: Entry, wanted: list[int], deadline: float) -> None:
+        """Fetch verification units `wanted` into the pool (runs inside one chunk object, one GET each), bounded
+        by the read deadline, like _ensure."""
+        fetches: dict[int, Fetch] = {}
+        todo: list[int] = []
+        for k in wanted:
+            f = self.inflight.get((e.file_id, e.generation, ~k))
+            if f is not None:
+                fetches[id(f)] = f
+            else:
+                todo.append(k)
+        for first, n in unit_runs(e, todo):
+            f = self._start_fetch(e, first, n, prefetch=False, scan=False, unit=True)
+            fetches[id(f)] = f
+        fid, gen, pool = e.file_id, e.generation, self.pool
+        await self._wait(e, fetches, deadline, lambda: all((fid, gen, ~k) in pool for k in wanted))
+
+    async def _wait(self, e: Entry, fetches: dict[int, Fetch], deadline: float, have: Callable[[], bool]) -> None:
+        """Wait for `fetches` until `have()` (what the reader asked for is in: a GET may land its blocks before it
+        ends) or they all ended, bounded by the read deadline; raise the error of one that failed."""
         timeout = self.eng.config["objectstore.read_timeout_seconds"]
         if any(f.gave_up for f in fetches.values()):
             # a read of these blocks already waited the whole bound and the fetch is still stuck: the kernel's
             # retry of a failed read-ahead lands here, and must not double the bound the caller sees
             raise ReadFailed(f"{e.path}: object store did not answer within {timeout} s (fetch still in flight)")
-        fid, gen, pool = e.file_id, e.generation, self.pool
         with trio.move_on_at(deadline) as scope:
             for f in fetches.values():
                 f.waiting += 1
             try:
-                while True:  # until the blocks asked for are in (a GET may land them before its end), or all ended
+                while True:
                     pending = [f for f in fetches.values() if not f.done.is_set()]
                     for f in pending:
                         self._land_ready(f)  # what came in before anyone waited
-                    if all(e.is_resident(b) or (fid, gen, b) in pool for b in blocks):
+                    if have():
                         return
                     if not pending:
                         break
@@ -315,11 +411,11 @@ class BlockCache:
             if f.error:
                 raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool) -> Fetch:
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool, unit: bool = False) -> Fetch:
         f = Fetch()
         for b in range(first, first + n):
-            self.inflight[(e.file_id, e.generation, b)] = f
-        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan)
+            self.inflight[(e.file_id, e.generation, ~b if unit else b)] = f
+        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan, unit)
         return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
@@ -362,6 +458,7 @@ class BlockCache:
         start = -off % CQ_UNIT
         stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
         reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
+        by_units = bool(eng.config["readahead.named_units"])
         want: dict[int, tuple[Entry, list[int]]] = {}
         last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
         for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
@@ -373,7 +470,7 @@ class BlockCache:
             c = eng.entries.get(f"{prefix}{base:020d}")
             if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
                 continue  # local (or unknown, or no reader has it open): nothing to fetch
-            bb = c.block_bytes
+            bb = (by_units and self._units(c)) or c.block_bytes  # the record's verification units, or its blocks
             rel = phys - base
             slot = want.get(c.file_id)
             if slot is None:
@@ -386,18 +483,28 @@ class BlockCache:
         now = time.monotonic()
         if len(self._named) > 1024:
             self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
-        for c, blocks in want.values():
+        for c, pieces in want.values():
             self._named[c.file_id] = now
-            fid, gen, pool = c.file_id, c.generation, self.pool
-            todo = [b for b in blocks if not c.is_resident(b) and (fid, gen, b) not in self.inflight
-                    and (fid, gen, b) not in pool]
-            for first, n in block_runs(c, todo, self._group_blocks(c.block_bytes)):
-                nbytes = n * c.block_bytes
+            fid, gen, pool, inflight = c.file_id, c.generation, self.pool, self.inflight
+            u = self._units(c) if by_units else 0
+            if u:  # verification units: those of a block that is local, pooled or being fetched are not needed
+                per = c.block_bytes // u
+                todo = [k for k in pieces if not c.is_resident(k // per) and (fid, gen, k // per) not in inflight
+                        and (fid, gen, k // per) not in pool and (fid, gen, ~k) not in inflight
+                        and (fid, gen, ~k) not in pool]
+                runs = unit_runs(c, todo)
+            else:
+                todo = [b for b in pieces if not c.is_resident(b) and (fid, gen, b) not in inflight
+                        and (fid, gen, b) not in pool]
+                runs = block_runs(c, todo, self._group_blocks(c.block_bytes))
+            for first, n in runs:
+                nbytes = n * (u or c.block_bytes)
                 if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                     return
                 self.prefetch_inflight += nbytes
-                eng.stats.named_prefetch_bytes += sum(c.block_len(b) for b in range(first, first + n))
-                self._start_fetch(c, first, n, prefetch=True, scan=True)
+                eng.stats.named_prefetch_bytes += min((first + n) * (u or c.block_bytes), c.size) - first * (
+                    u or c.block_bytes)
+                self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u))
 
     def _commitlog_file_size(self, root: str) -> int:
         """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
@@ -440,14 +547,15 @@ class BlockCache:
         start = layout.raw_chunk_of(first, e.chunk_bytes, e.block_bytes)[1]
         # taken in this task, never in the reader's: see Buffers (a reply may still read a buffer freed there)
         bufs = [self.pool.buffers.take(e.block_bytes) for _ in range(n)]
-        early = None
+        early: Callable[[int], None] | None = None
         if fetch is not None:
             token = trio.lowlevel.current_trio_token()
 
-            def early(i: int) -> None:  # worker thread: a hop to the loop per block only while a reader waits
+            def arrived(i: int) -> None:  # worker thread: a hop to the loop per block only while a reader waits
                 fetch.ready = i + 1
                 if fetch.waiting:
                     token.run_sync_soon(self._land_ready, fetch)
+            early = arrived
         try:
             views = [buf.view[:ln] for buf, ln in zip(bufs, lens)]
             if fetch is not None:
@@ -491,10 +599,24 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool) -> None:
+    async def _read_units(self, e: Entry, first: int, n: int) -> tuple[list[memoryview], list[Buffer], int | None]:
+        """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store,
+        a view per unit, and the first unit that fails its crc32c (None: all good): one ranged GET and the check
+        in one worker thread."""
+        u = e.unit_bytes
+        chunk_no = first * u // e.chunk_bytes
+        start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
+        views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
+                                       first, e.unit_crcs, u)
+        return views, [], bad
+
+    async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool,
+                     unit: bool = False) -> None:
+        """Fetch blocks [first, first+n), or with `unit` verification units [first, first+n), into the pool."""
         stats = self.eng.stats
         gen = e.generation
-        key = self._object_of(e, first)
+        key = self._object_of(e, first * e.unit_bytes // e.block_bytes if unit else first)
+        size = e.unit_bytes if unit else e.block_bytes  # of one of the n pieces
         error = None
         t0 = time.monotonic()
         e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
@@ -502,7 +624,10 @@ class BlockCache:
         try:
             for attempt in (1, 2):
                 try:
-                    views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
+                    if unit:
+                        views, bufs, bad = await self._read_units(e, first, n)
+                    else:
+                        views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
                 except lz4c.Lz4cError as err:
                     stats.corrupt_objects += 1
                     error = f"object {key} of {e.path} is corrupt: {err}"
@@ -520,9 +645,12 @@ class BlockCache:
                 try:
                     if bad is None:
                         if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
-                            self.prefetch_inflight -= n * e.block_bytes
+                            self.prefetch_inflight -= n * size
                             prefetch_counted = False
-                        self._land(e, gen, first, views, bufs, prefetch, scan, fetch.landed)
+                        if unit:
+                            self._land_units(e, gen, first, views, prefetch)
+                        else:
+                            self._land(e, gen, first, views, bufs, prefetch, scan, fetch.landed)
                 finally:
                     for buf in bufs:  # the fetch's own hold: the pool and installs hold what they keep
                         self.pool.buffers.release(buf)
@@ -532,10 +660,13 @@ class BlockCache:
                     self.eng.observe("download", time.monotonic() - t0, nbytes)
                     if prefetch:
                         stats.prefetch_bytes += nbytes
+                    if unit:
+                        stats.unit_fetch_bytes += nbytes
                     error = None
                     break
                 stats.corrupt_objects += 1
-                error = f"object {key} of {e.path} is corrupt: block {bad} fails its crc32c"
+                what = f"bytes {bad * e.unit_bytes}+{e.unit_bytes} fail their" if unit else f"block {bad} fails its"
+                error = f"object {key} of {e.path} is corrupt: {what} crc32c"
                 log.error("%s (attempt %d)", error, attempt)
         except Exception as err:  # never let a fetch task take the nursery down
             error = f"object {key} of {e.path}: {type(err).__name__}: {err}"
@@ -543,13 +674,13 @@ class BlockCache:
         finally:
             e.pins -= 1
             if prefetch_counted:
-                self.prefetch_inflight -= n * e.block_bytes
+                self.prefetch_inflight -= n * size
             if error:
                 stats.fetch_errors += 1
                 stats.last_error = error
                 log.error("read of %s failed: %s", e.path, error)
             for b in range(first, first + n):
-                k = (e.file_id, gen, b)
+                k = (e.file_id, gen, ~b if unit else b)
                 if self.inflight.get(k) is fetch:
                     del self.inflight[k]
             fetch.error = None if prefetch else error
@@ -595,6 +726,13 @@ class BlockCache:
             self.eng.start_soon(self._install, e, gen, todo)
         elif todo:
             self.eng.stats.memory_only_bytes += nbytes
+
+    def _land_units(self, e: Entry, gen: int, first: int, views: list[memoryview], prefetch: bool) -> None:
+        """Verified units arrive: into the pool only (the hot file keeps whole blocks). No await in here."""
+        if self._same(e, gen):
+            for i, view in enumerate(views):
+                self.pool.put((e.file_id, gen, ~(first + i)), view, unread=prefetch, reserve=self.prefetch_inflight)
+            self.eng.stats.memory_only_bytes += sum(len(v) for v in views)
 
     def _keep_locally(self, nbytes: int, scan: bool) -> bool:
         """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the

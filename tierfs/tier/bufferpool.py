@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 from collections import OrderedDict
 
-Key = tuple[int, int, int]  # (file id, generation, block)
+Key = tuple[int, int, int]  # (file id, generation, block; ~unit for a verification unit: tierfs.tier.units)
 IDLE_SECONDS = 30.0  # free buffers no fetch needed for this long are given back to the allocator
 
 

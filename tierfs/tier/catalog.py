@@ -50,6 +50,10 @@ class Entry:
     state_since: float = 0.0
     file_id: int = 0  # from the catalog sequence: never reused, survives rename (0: not assigned yet)
     ino: int = 0  # the hot file's st_ino when the row was written: reconcile re-checks it
+    # a raw segment's finer verification table: crc32c of every `unit_bytes` piece (packed little-endian uint32),
+    # so a random read fetches and checks only the pieces it needs; 0/empty: none (whole blocks are fetched)
+    unit_bytes: int = 0
+    unit_crcs: bytes = b""
     pins: int = field(default=0, compare=False)  # in memory only: rematerialise/fetch in progress, never evict
 
     @property
@@ -107,7 +111,9 @@ CREATE TABLE IF NOT EXISTS files (
     last_access REAL NOT NULL,
     state_since REAL NOT NULL,
     file_id INTEGER NOT NULL DEFAULT 0,
-    ino INTEGER NOT NULL DEFAULT 0
+    ino INTEGER NOT NULL DEFAULT 0,
+    unit_bytes INTEGER NOT NULL DEFAULT 0,
+    unit_crcs BLOB NOT NULL DEFAULT x''
 );
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
@@ -146,7 +152,8 @@ class Artifact:
     created: float = 0.0
 
 _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "chunk_bytes", "block_bytes",
-         "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since", "file_id", "ino")
+         "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since", "file_id", "ino",
+         "unit_bytes", "unit_crcs")
 _KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generation in a segment/sidecar key
 # Deletes queued for an unlinked file that a process still holds open: due only once it is closed.
 NEVER = 1e18
@@ -168,9 +175,11 @@ class Catalog:
         new object key can equal an old one (keys carry the generation)."""
         have = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
         with self._transaction() as db:
-            for col in ("file_id", "ino"):
+            for col in ("file_id", "ino", "unit_bytes"):
                 if col not in have:
                     db.execute(f"ALTER TABLE files ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
+            if "unit_crcs" not in have:
+                db.execute("ALTER TABLE files ADD COLUMN unit_crcs BLOB NOT NULL DEFAULT x''")
             top = max(db.execute("SELECT coalesce(max(generation), 0), coalesce(max(file_id), 0) FROM files")
                       .fetchone())
             top = max(top, db.execute("SELECT coalesce(max(generation), 0) FROM artifacts").fetchone()[0])
@@ -212,13 +221,13 @@ class Catalog:
                      block_bytes=d["block_bytes"], crc32c=d["crc32c"], block_crcs=json.loads(d["block_crcs"]),
                      objects=json.loads(d["objects"]), resident=bytearray(d["resident"]),
                      last_access=d["last_access"], state_since=d["state_since"], file_id=d["file_id"],
-                     ino=d["ino"])
+                     ino=d["ino"], unit_bytes=d["unit_bytes"] or 0, unit_crcs=bytes(d["unit_crcs"] or b""))
 
     @staticmethod
     def _row(e: Entry) -> tuple:
         return (e.path, e.kind, e.size, e.mtime_ns, e.state.value, e.generation, e.format, e.chunk_bytes,
                 e.block_bytes, e.crc32c, json.dumps(e.block_crcs), json.dumps(e.objects), bytes(e.resident),
-                e.last_access, e.state_since, e.file_id, e.ino)
+                e.last_access, e.state_since, e.file_id, e.ino, e.unit_bytes, e.unit_crcs)
 
     def put(self, e: Entry) -> None:
         """Insert or replace a row, durably (one transaction)."""
@@ -368,3 +377,18 @@ def entry_to_row(e: Entry) -> tuple:
 
 def row_to_entry(r: tuple) -> Entry:
     return Catalog._entry(r)
+
+
+def unit_count(e: Entry) -> int:
+    """How many pieces the finer verification table of `e` covers (0: it has none)."""
+    return -(-e.size // e.unit_bytes) if e.unit_bytes else 0
+
+
+def check_units(e: Entry) -> None:
+    """A finer verification table must fit its row (snapshot rows are untrusted input): ValueError if not."""
+    if not e.unit_bytes and not e.unit_crcs:
+        return
+    if not (isinstance(e.unit_bytes, int) and e.unit_bytes >= 512 and e.block_bytes % e.unit_bytes == 0):
+        raise ValueError(f"verification unit {e.unit_bytes!r} does not divide block size {e.block_bytes!r}")
+    if not isinstance(e.unit_crcs, bytes) or len(e.unit_crcs) != 4 * unit_count(e):
+        raise ValueError(f"verification table of {len(e.unit_crcs)} bytes for {unit_count(e)} units")

@@ -349,11 +349,12 @@ class Compactor:
         # the swapped row is a copy (no await between it and queueing the commit); memory follows the commit
         # (resident bits: none; the engine persists the live ones after an fdatasync, never ahead of the bytes)
         swapped = e.copy(format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
-                          resident=bytearray(len(e.resident)))
+                          resident=bytearray(len(e.resident)), unit_bytes=0, unit_crcs=b"")  # lz4 blocks: no units
         await eng.db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
         eng.cache.footers[row["key"]] = footer
         if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
             e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes
+            e.unit_bytes, e.unit_crcs = 0, b""
             eng.evictor.residency_changed(e)
         return None
 

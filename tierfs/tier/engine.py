@@ -64,6 +64,12 @@ class Engine:
         self.enabled = bool(config["tiering.enabled"])
         self.block = int(config["cache.block_bytes"])
         self.chunk = int(config["objectstore.chunk_bytes"])
+        self.unit = int(config["cache.verify_bytes"]) or self.block  # the block itself: no finer table
+        if self.block % self.unit or self.unit < 512:
+            from tierfs.config import ConfigError
+
+            raise ConfigError(f"config key 'cache.verify_bytes': {self.unit} does not divide cache.block_bytes "
+                              f"({self.block}); allowed: 0, or a power of two from 512 up to cache.block_bytes")
         if self.chunk % self.block:
             from tierfs.config import ConfigError
 
@@ -398,13 +404,15 @@ class Engine:
     @staticmethod
     def tiered_copy(e: Entry, res: tuple) -> Entry:
         """The TIERED row of an uploaded segment: every block resident, its objects and crcs."""
-        crc, block_crcs, keys, now = res
+        crc, block_crcs, keys, (unit, unit_crcs), now = res
         return e.copy(crc32c=crc, block_crcs=block_crcs, objects=keys, state=State.TIERED, last_access=now,
+                      unit_bytes=unit, unit_crcs=unit_crcs,
                       state_since=now, resident=bytearray(b"\xff" * ((e.nblocks + 7) // 8)))
 
     def hot_copy(self, e: Entry, generation: int) -> Entry:
         """The row of a file that is HOT again, at a new generation (its old objects are being deleted)."""
         return e.copy(state=State.HOT, generation=generation, objects=[], block_crcs=[], crc32c=None,
+                      unit_bytes=0, unit_crcs=b"",
                       resident=bytearray(), format="raw", chunk_bytes=self.chunk, state_since=time.time())
 
     @staticmethod

@@ -10,7 +10,7 @@ SCAN_START_BYTES = 64 << 10
 
 
 class ReadAhead:
-    __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched")
+    __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched", "streak")
 
     def __init__(self, initial: int = 2, batch: int = 2, maximum: int = 64, tolerance: int = 1 << 20):
         self.initial, self.batch, self.maximum = initial, batch, maximum
@@ -18,10 +18,17 @@ class ReadAhead:
         self.next_expected: int | None = None
         self.tolerance = tolerance  # kernel read-ahead and mmap faults arrive slightly out of order
         self.prefetched: set[int] = set()
+        self.streak = False  # the last read was sequential
 
     def on_read(self, off: int, end: int) -> int:
         """Record a read of [off, end); return how many blocks to keep prefetched beyond `end` (0 = random)."""
         sequential = self.next_expected is not None and abs(off - self.next_expected) <= self.tolerance
+        if sequential and end - off < SCAN_START_BYTES and off != self.next_expected and not self.streak:
+            # a small read near the last one but not right after it: random reads of a small file land within the
+            # tolerance all the time, and each false start would fetch whole blocks ahead. Kernel read-ahead and
+            # mmap faults out of order are large reads, or follow a read that was sequential.
+            sequential = False
+        self.streak = sequential
         if sequential:
             self.window = min(self.window + self.batch, self.maximum)
         elif self.next_expected is not None:

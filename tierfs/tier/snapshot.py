@@ -62,6 +62,7 @@ from tierfs.tier.catalog import (
     Catalog,
     Entry,
     State,
+    check_units,
     entry_to_row,
     row_to_entry,
 )
@@ -84,6 +85,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _UPLOAD_MEMORY = 128 << 20  # chunks held at once by the parallel readers/uploaders of one snapshot
 _EXTRA_COLS = ("mode", "uid", "gid")
 _OBJECTS = COLUMNS.index("objects")
+_UNIT_CRCS = COLUMNS.index("unit_crcs")
 SCHEMA = f"""
 CREATE TABLE snapshot_files ({', '.join(c + (' TEXT PRIMARY KEY' if c == 'path' else '') for c in COLUMNS)},
                              mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL);
@@ -227,7 +229,9 @@ def _rows_and_digest(tiered: dict[str, Entry], stats: dict[str, os.stat_result],
     and the sha256 of every blob the rows use."""
     rows = {**blobs, **{rel: _file_row(e, stats[rel]) for rel, e in tiered.items()}}
     tail_rows = sorted(t.encode() + (t.slots,) for t in (tails or {}).values())
-    digest = hashlib.sha256(repr((sorted(rows.items()), sorted(tree), tail_rows)).encode()).digest()
+    # a verification table is fixed by its row's generation: its length stands for it (repr of megabytes is slow)
+    brief = {k: r[:_UNIT_CRCS] + (len(r[_UNIT_CRCS]),) + r[_UNIT_CRCS + 1:] for k, r in rows.items()}
+    digest = hashlib.sha256(repr((sorted(brief.items()), sorted(tree), tail_rows)).encode()).digest()
     used = {k[len(blob_pre):] for r in blobs.values() for k in json.loads(r[_OBJECTS]) if k.startswith(blob_pre)}
     return rows, digest, used
 
@@ -664,6 +668,7 @@ def _check_entry(e: Entry, store_id: str) -> None:
         raise ValueError(f"chunk/block sizes {e.chunk_bytes!r}/{e.block_bytes!r} are not valid")
     if len(e.block_crcs) != e.nblocks or not all(isinstance(c, int) and 0 <= c < 1 << 32 for c in e.block_crcs):
         raise ValueError(f"{len(e.block_crcs)} block crc32c values for {e.nblocks} blocks")
+    check_units(e)
     want = 1 if e.format == "lz4c" else -(-e.size // e.chunk_bytes)
     if (len(e.objects) > 1) if e.size == 0 else (len(e.objects) != want):
         raise ValueError(f"{len(e.objects)} objects, expected {want}")
@@ -680,7 +685,9 @@ def _load(db_path: Path, store_id: str, reserved: str) -> tuple[list[tuple[Entry
         try:
             have = {r[1] for r in db.execute("PRAGMA table_info(snapshot_files)")}
             # snapshots written before file ids existed lack the identity columns: 0 (unassigned) for those
-            cols = [c if c in have or c not in ("file_id", "ino") else "0" for c in COLUMNS + _EXTRA_COLS]
+            # ... and those written before finer verification tables lack those: none (whole blocks are fetched)
+            absent = {"file_id": "0", "ino": "0", "unit_bytes": "0", "unit_crcs": "x''"}
+            cols = [c if c in have or c not in absent else absent[c] for c in COLUMNS + _EXTRA_COLS]
             frows = db.execute(f"SELECT {','.join(cols)} FROM snapshot_files").fetchall()
             trows = db.execute("SELECT path, type, mode, uid, gid, mtime_ns, target FROM snapshot_tree").fetchall()
         except sqlite3.Error as e:

@@ -69,6 +69,7 @@ class EngineStats:
     memory_only_bytes: int = 0  # fetched bytes served from memory only (a scan beyond the cache budget)
     named_prefetch_bytes: int = 0  # prefetched because a tiered ConsumeQueue page named them (layout-aware)
     prefetch_bytes: int = 0
+    unit_fetch_bytes: int = 0  # of fetch_bytes: verification units a random read fetched (not whole blocks)
     rewrites: int = 0
     identical_rewrites: int = 0
     last_error: str = ""

@@ -22,7 +22,7 @@ import trio
 
 from tierfs import failpoints
 from tierfs.objectstore.base import ObjectStoreError
-from tierfs.tier import layout, sealcopy
+from tierfs.tier import layout, sealcopy, units
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
 from tierfs.tier.state import ShortRead
@@ -230,7 +230,7 @@ class Uploader:
             if res is None:
                 continue
             shrank = isinstance(res, ShortRead)
-            crc, block_crcs, keys = (0, [], res.keys) if isinstance(res, ShortRead) else res
+            crc, block_crcs, keys, units = (0, [], res.keys, (0, b"")) if isinstance(res, ShortRead) else res
             if (shrank or eng.write_seq.get(ino, 0) != seq or eng.entries.get(e.path) is not e
                     or e.state is not State.UPLOADING):
                 log.info("%s changed during upload%s; discarding gen %d objects", e.path,
@@ -239,7 +239,7 @@ class Uploader:
                 if eng.entries.get(e.path) is e and eng.is_live(e):
                     voided.append(e)
                 continue
-            done.append(((e, ino, seq), (crc, block_crcs, keys, now)))
+            done.append(((e, ino, seq), (crc, block_crcs, keys, units, now)))
         if not done and not void_keys:
             return failed
         gen0 = await eng.db(eng.catalog.allocate, len(voided)) if voided else 0
@@ -291,14 +291,16 @@ class Uploader:
                 eng.become(e, row)
 
     def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None
-                        ) -> tuple[int, list[int], list[str]]:
+                        ) -> tuple[int, list[int], list[str], tuple[int, bytes]]:
         """Read the hot file chunk by chunk, PUT each chunk (or compose it in the store from the append objects
         `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied`), verify, and
-        return (crc, block crcs, keys)."""
+        return (crc, block crcs, keys, (verification unit, its packed crc32c table: tierfs.tier.units))."""
         eng = self.eng
         keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
         crc = 0
         block_crcs: list[int] = []
+        unit = eng.unit if e.block_bytes % eng.unit == 0 and eng.unit < e.block_bytes else 0
+        unit_crcs: list[bytes] = []
         verify_full = eng.config["upload.verify"] == "full"
         fd = os.open(eng.hot / e.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
@@ -317,6 +319,8 @@ class Uploader:
                 crc = crc32c.crc32c(data, crc)
                 mv = memoryview(data)
                 block_crcs += [crc32c.crc32c(mv[b:b + e.block_bytes]) for b in range(0, len(data), e.block_bytes)]
+                if unit:
+                    unit_crcs.append(units.table(mv, unit))
                 if not self._compose(fd, key, off, len(data), chunk_crc, tail, same, copied):
                     if self.bandwidth is not None:
                         self.bandwidth.acquire(len(data))  # shared by every uploader thread
@@ -332,7 +336,7 @@ class Uploader:
                         raise ObjectStoreError(key, "verification failed: size mismatch")
         finally:
             os.close(fd)
-        return crc, block_crcs, keys
+        return crc, block_crcs, keys, (unit, b"".join(unit_crcs))
 
     def _compose(self, fd: int, key: str, off: int, n: int, crc: int, tail: tuple, same: dict[str, bool],
                  copied: list[int] | None) -> bool:
