@@ -175,7 +175,10 @@ def test_lean_get_into_resumes_after_the_buffers_it_reported(rgw, lean_bucket, f
             down = fault_proxy.stats()["bytes_down"] - before
             assert b"".join(bytes(b) for b in bufs) == big, mode
             assert calls == list(range(1, 9)), (mode, calls)
-            assert down < 10.5 * MiB, (mode, down)  # fetched again from the start: 12 MiB or more
+            if mode == "truncate":  # the first 4.8 MiB all arrive: the retry asks for 4 MiB, not 8 again
+                assert down < 10.5 * MiB, (mode, down)  # fetched again from the start: 12.8 MiB
+            # (after a RST the client gets a share of the 4 MiB sent that depends on timing, so only the bytes
+            # and the reports are checked there)
     finally:
         fault_proxy.passthrough()
         s.close()
