@@ -353,6 +353,31 @@ def test_segments_are_grouped_into_tasks_of_a_sensible_size():
     assert mixed[0] == [0] and mixed[-1] == [301] and all(len(t) * mib <= TASK_BYTES for t in mixed[1:-1])
 
 
+def test_driver_class_data_archive_plan(tmp_path, monkeypatch):
+    """One archive per Java runtime and classpath settings, whatever the job directory: the first job records it,
+    the next ones map it; turned off by the environment or by a job's own class-sharing options."""
+    from tierfs.spark import cds
+    from tierfs.spark.job import JobInput, QUICK_JVM, spark_conf
+
+    monkeypatch.setenv(cds.ENV, str(tmp_path / "cds"))
+    base = {"spark.driver.extraJavaOptions": QUICK_JVM, "spark.master": "local[2]"}
+    first = cds.plan(base)
+    assert first is not None and first.tmp is not None and "-XX:ArchiveClassesAtExit=" in first.java_options
+    assert first.tmp.parent == first.archive.parent == tmp_path / "cds"
+    other = cds.plan({**base, "spark.driver.extraClassPath": "/opt/x.jar"})
+    assert other is not None and other.archive != first.archive
+    first.archive.write_bytes(b"archive")  # what publish() moves into place when the recording JVM exits
+    mapped = cds.plan({**base, "spark.master": "spark://127.0.0.1:7077"})
+    assert mapped == cds.Plan(first.archive, None) and f"-XX:SharedArchiveFile={first.archive}" in mapped.java_options
+    inp = JobInput(job_dir=tmp_path / "job", job_id="j", stages=[], store={}, store_id="s", spark=base, items={},
+                   max_hash_slot_num=1, max_index_num=1, retention={}, today=dt.date(2026, 1, 1))
+    opts = spark_conf(inp, mapped)["spark.driver.extraJavaOptions"]
+    assert opts.startswith(QUICK_JVM) and "log4j2.configurationFile" in opts and opts.endswith(mapped.java_options)
+    assert cds.plan({**base, "spark.driver.extraJavaOptions": "-Xshare:off"}) is None
+    monkeypatch.setenv(cds.ENV, "off")
+    assert cds.plan(base) is None
+
+
 def test_retention_boundaries():
     today = dt.date(2026, 11, 21)
     assert not ar.is_expired(dt.date(2026, 11, 14), 7, today)  # today and the 7 dates before it are kept
