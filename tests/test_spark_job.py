@@ -378,6 +378,26 @@ def test_driver_class_data_archive_plan(tmp_path, monkeypatch):
     assert cds.plan(base) is None
 
 
+def test_field_columns_gathered_by_arrow_equal_the_byte_ranges():
+    """_Writer._binary/_text build field columns from numpy-made binary views: empty values, values of up to 12
+    bytes (inline in the view), longer ones, values ending the buffer, invalid UTF-8 (replaced like bytes.decode)."""
+    import random
+
+    import numpy as np
+
+    w = ar._Writer("/nonexistent")
+    rnd = random.Random(5)
+    for _ in range(200):
+        data = bytes(rnd.choice(b"ab\xff\xc3\xa9 ") for _ in range(rnd.randrange(0, 120)))
+        spans = [(a, rnd.randrange(0, len(data) - a + 1)) for a in
+                 (rnd.randrange(0, len(data) + 1) for _ in range(rnd.randrange(0, 12)))]
+        at = np.array([a for a, _ in spans], np.int64)
+        length = np.array([n for _, n in spans], np.int64)
+        want = [data[a:a + n] for a, n in spans]
+        assert w._binary(memoryview(data), at, length).to_pylist() == want
+        assert w._text(memoryview(data), at, length).to_pylist() == [v.decode("utf-8", "replace") for v in want]
+
+
 def test_retention_boundaries():
     today = dt.date(2026, 11, 21)
     assert not ar.is_expired(dt.date(2026, 11, 14), 7, today)  # today and the 7 dates before it are kept
