@@ -368,7 +368,8 @@ def test_driver_class_data_archive_plan(tmp_path, monkeypatch):
     assert other is not None and other.archive != first.archive
     first.archive.write_bytes(b"archive")  # what publish() moves into place when the recording JVM exits
     mapped = cds.plan({**base, "spark.master": "spark://127.0.0.1:7077"})
-    assert mapped == cds.Plan(first.archive, None) and f"-XX:SharedArchiveFile={first.archive}" in mapped.java_options
+    assert (mapped.archive, mapped.tmp) == (first.archive, None)
+    assert f"-XX:SharedArchiveFile={first.archive}" in mapped.java_options
     inp = JobInput(job_dir=tmp_path / "job", job_id="j", stages=[], store={}, store_id="s", spark=base, items={},
                    max_hash_slot_num=1, max_index_num=1, retention={}, today=dt.date(2026, 1, 1))
     opts = spark_conf(inp, mapped)["spark.driver.extraJavaOptions"]
@@ -396,6 +397,26 @@ def test_field_columns_gathered_by_arrow_equal_the_byte_ranges():
         want = [data[a:a + n] for a, n in spans]
         assert w._binary(memoryview(data), at, length).to_pylist() == want
         assert w._text(memoryview(data), at, length).to_pylist() == [v.decode("utf-8", "replace") for v in want]
+
+
+def test_job_drops_a_class_data_archive_its_driver_cannot_start_with(tmp_path, monkeypatch):
+    """A damaged archive (a truncated one crashes the JVM that maps it) must not stop every later job: the driver
+    removes it and starts without one. The failpoint stands for the crash."""
+    from tierfs.spark import cds
+    from tierfs.spark.job import QUICK_JVM
+
+    monkeypatch.setenv(cds.ENV, str(tmp_path / "cds"))
+    spark = {"spark.master": "local[1]"}
+    planned = cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **spark})
+    planned.archive.write_bytes(b"damaged")
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "input.json").write_text(json.dumps({"job_id": "cds", "stages": [], "store_id": "s", "spark": spark,
+                                                "store": {"url": f"file://{tmp_path / 'objects'}"}}))
+    r = run_job(job, failpoints="spark.session.cds")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((job / "result.json").read_text())["ok"]
+    assert "which is removed" in r.stderr and not planned.archive.exists()
 
 
 def test_retention_boundaries():

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ class Plan:
 
     archive: Path
     tmp: Path | None
+    java: Path | None = None  # the runtime that checks a recorded archive before it is published
 
     @property
     def java_options(self) -> str:
@@ -96,16 +98,34 @@ def plan(conf: dict[str, str]) -> Plan | None:
 
         archive = d / f"driver-{_key(Path(_find_spark_home()), conf, java)}.jsa"
         if archive.is_file():
-            return Plan(archive, None)
+            return Plan(archive, None, java)
         d.mkdir(parents=True, exist_ok=True)
         _drop_stale(d)
         tmp = d / f".{archive.name}.{os.getpid()}.tmp"
         tmp.unlink(missing_ok=True)
         if not os.access(d, os.W_OK):
             return None
-        return Plan(archive, tmp)
+        return Plan(archive, tmp, java)
     except (OSError, ImportError):
         return None
+
+
+def _maps(java: Path | None, archive: Path) -> bool:
+    """Whether *java* starts with *archive* mapped (a truncated or damaged archive crashes it)."""
+    if java is None:
+        return False
+    r = subprocess.run([str(java), f"-XX:SharedArchiveFile={archive}", *_QUIET.split(), "-version"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=_EXIT_WAIT_S)
+    return r.returncode == 0
+
+
+def discard(p: Plan) -> None:
+    """Remove an archive the driver could not start with (the next job records a new one)."""
+    try:
+        p.archive.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def publish(p: Plan | None, sc_class) -> None:
@@ -120,8 +140,9 @@ def publish(p: Plan | None, sc_class) -> None:
             gateway.shutdown()
             if proc.stdin is not None:
                 proc.stdin.close()  # the gateway JVM exits when its stdin closes
-            proc.wait(_EXIT_WAIT_S)
-            if p.tmp.is_file() and p.tmp.stat().st_size > 0:
+            # a JVM killed while writing leaves a truncated archive, and a JVM that maps one crashes: publish
+            # only what a clean exit wrote and a JVM maps
+            if proc.wait(_EXIT_WAIT_S) == 0 and p.tmp.is_file() and _maps(p.java, p.tmp):
                 os.replace(p.tmp, p.archive)
     except Exception:  # noqa: BLE001 - OSError, TimeoutExpired, py4j errors: the job's result stands
         pass

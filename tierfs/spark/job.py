@@ -351,6 +351,8 @@ def start_session(inp: JobInput, cds_plan: cds.Plan | None = None):
     (inp.job_dir / LOG4J).write_text(_LOG4J_TEXT)
     from pyspark.sql import SparkSession
 
+    if cds_plan is not None and cds_plan.tmp is None:
+        failpoints.hit("spark.session.cds")  # tests: a JVM that cannot start with the archive it maps
     builder = SparkSession.builder.appName(f"tierfs-{inp.job_id}")
     for k, v in spark_conf(inp, cds_plan).items():
         builder = builder.config(k, v)
@@ -565,7 +567,16 @@ def main(argv: list[str] | None = None) -> int:
         cds_plan = None if "PYSPARK_GATEWAY_PORT" in os.environ else \
             cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **inp.spark})
         try:
-            spark = start_session(inp, cds_plan)
+            try:
+                spark = start_session(inp, cds_plan)
+            except Exception as e:  # noqa: BLE001 - a damaged archive must not stop every job: drop it, start again
+                if cds_plan is None:
+                    raise
+                print(f"tierfs.spark: warning: Spark did not start with class-data archive {cds_plan.archive}, "
+                      f"which is removed: {_spark_error(e)}", file=sys.stderr)
+                cds.discard(cds_plan)
+                cds_plan = None
+                spark = start_session(inp, None)
         except Exception as e:  # noqa: BLE001
             print(f"tierfs.spark: error: cannot start Spark (spark.master {inp.master!r}): {_spark_error(e)}",
                   file=sys.stderr)
