@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,11 +139,25 @@ class SparkCluster:
                                         "--port", str(self.master_port), "--webui-port", str(self.master_ui_port)],
                              self._env(), self.root / "logs" / "master.log")
         self.master.start()
-        self.wait(lambda: self.state() is not None, 90, "the Spark master's web UI")
+        self.wait(lambda: self._follow_ports() and self.state() is not None, 90, "the Spark master's web UI")
         for i in range(2):
             self.workers.append(self._worker(i))
             self.workers[-1].start()
         self.wait(lambda: self.alive_workers() == 2, 90, "two registered Spark workers")
+
+    def _follow_ports(self) -> bool:
+        """Take the ports the master bound from its log: a port free when it was picked may be taken by another
+        process by the time the master binds it, and Spark then binds the next one (seen on a shared machine: the
+        web UI on 45242 instead of 45241, and the wait timed out)."""
+        try:
+            text = self.master.log.read_text(errors="replace")
+        except OSError:
+            return True
+        for service, attr in (("sparkMaster", "master_port"), ("MasterUI", "master_ui_port")):
+            found = re.findall(rf"Successfully started service '{service}' on port (\d+)", text)
+            if found:
+                setattr(self, attr, int(found[-1]))
+        return True
 
     def _worker(self, i: int) -> Daemon:
         work = self.root / f"worker{i}"

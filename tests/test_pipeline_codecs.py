@@ -462,6 +462,20 @@ def test_compact_and_read_segment(store, size):
     assert all(len(b) == 4096 for b in blocks[:-1])
 
 
+def test_compaction_reads_through_reused_buffers(store, monkeypatch):
+    """Many GETs per segment through the ring of pooled read buffers (and the one gathered output buffer of a
+    store without streaming uploads): the object is byte for byte the codec's, and a second segment read through
+    the same, now dirty, buffers too."""
+    monkeypatch.setattr(tasks, "_READ_BYTES", 2 * 4096)  # 2 blocks per GET: ~40 GETs, each buffer reused ~13 times
+    for i, seed in enumerate((5, 6)):
+        content = make_content([("text", 100_000, seed), ("random", 30_000, seed), ("zeros", 40_000, seed)])
+        seg = upload_raw(store, "sid", f"commitlog/0000000000000000{i}000", content, 8 * 4096, 4096)
+        row = tasks.compact_segment(store, "sid", seg)
+        assert store.get(row["key"]) == lz4c.encode(content, 4096)
+        blocks = list(tasks.read_segment(store, seg))  # not transient: every block stays valid
+        assert b"".join(blocks) == content
+
+
 def test_read_segment_detects_corruption(store):
     content = make_content([("text", 50_000, 1), ("random", 20_000, 2)])
     seg = upload_raw(store, "sid", "commitlog/00000000000000001000", content, 4 * 4096, 4096)

@@ -353,6 +353,72 @@ def test_segments_are_grouped_into_tasks_of_a_sensible_size():
     assert mixed[0] == [0] and mixed[-1] == [301] and all(len(t) * mib <= TASK_BYTES for t in mixed[1:-1])
 
 
+def test_driver_class_data_archive_plan(tmp_path, monkeypatch):
+    """One archive per Java runtime and classpath settings, whatever the job directory: the first job records it,
+    the next ones map it; turned off by the environment or by a job's own class-sharing options."""
+    from tierfs.spark import cds
+    from tierfs.spark.job import JobInput, QUICK_JVM, spark_conf
+
+    monkeypatch.setenv(cds.ENV, str(tmp_path / "cds"))
+    base = {"spark.driver.extraJavaOptions": QUICK_JVM, "spark.master": "local[2]"}
+    first = cds.plan(base)
+    assert first is not None and first.tmp is not None and "-XX:ArchiveClassesAtExit=" in first.java_options
+    assert first.tmp.parent == first.archive.parent == tmp_path / "cds"
+    other = cds.plan({**base, "spark.driver.extraClassPath": "/opt/x.jar"})
+    assert other is not None and other.archive != first.archive
+    first.archive.write_bytes(b"archive")  # what publish() moves into place when the recording JVM exits
+    mapped = cds.plan({**base, "spark.master": "spark://127.0.0.1:7077"})
+    assert (mapped.archive, mapped.tmp) == (first.archive, None)
+    assert f"-XX:SharedArchiveFile={first.archive}" in mapped.java_options
+    inp = JobInput(job_dir=tmp_path / "job", job_id="j", stages=[], store={}, store_id="s", spark=base, items={},
+                   max_hash_slot_num=1, max_index_num=1, retention={}, today=dt.date(2026, 1, 1))
+    opts = spark_conf(inp, mapped)["spark.driver.extraJavaOptions"]
+    assert opts.startswith(QUICK_JVM) and "log4j2.configurationFile" in opts and opts.endswith(mapped.java_options)
+    assert cds.plan({**base, "spark.driver.extraJavaOptions": "-Xshare:off"}) is None
+    monkeypatch.setenv(cds.ENV, "off")
+    assert cds.plan(base) is None
+
+
+def test_field_columns_gathered_by_arrow_equal_the_byte_ranges():
+    """_Writer._binary/_text build field columns from numpy-made binary views: empty values, values of up to 12
+    bytes (inline in the view), longer ones, values ending the buffer, invalid UTF-8 (replaced like bytes.decode)."""
+    import random
+
+    import numpy as np
+
+    w = ar._Writer("/nonexistent")
+    rnd = random.Random(5)
+    for _ in range(200):
+        data = bytes(rnd.choice(b"ab\xff\xc3\xa9 ") for _ in range(rnd.randrange(0, 120)))
+        spans = [(a, rnd.randrange(0, len(data) - a + 1)) for a in
+                 (rnd.randrange(0, len(data) + 1) for _ in range(rnd.randrange(0, 12)))]
+        at = np.array([a for a, _ in spans], np.int64)
+        length = np.array([n for _, n in spans], np.int64)
+        want = [data[a:a + n] for a, n in spans]
+        assert w._binary(memoryview(data), at, length).to_pylist() == want
+        assert w._text(memoryview(data), at, length).to_pylist() == [v.decode("utf-8", "replace") for v in want]
+
+
+def test_job_drops_a_class_data_archive_its_driver_cannot_start_with(tmp_path, monkeypatch):
+    """A damaged archive (a truncated one crashes the JVM that maps it) must not stop every later job: the driver
+    removes it and starts without one. The failpoint stands for the crash."""
+    from tierfs.spark import cds
+    from tierfs.spark.job import QUICK_JVM
+
+    monkeypatch.setenv(cds.ENV, str(tmp_path / "cds"))
+    spark = {"spark.master": "local[1]"}
+    planned = cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **spark})
+    planned.archive.write_bytes(b"damaged")
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "input.json").write_text(json.dumps({"job_id": "cds", "stages": [], "store_id": "s", "spark": spark,
+                                                "store": {"url": f"file://{tmp_path / 'objects'}"}}))
+    r = run_job(job, failpoints="spark.session.cds")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((job / "result.json").read_text())["ok"]
+    assert "which is removed" in r.stderr and not planned.archive.exists()
+
+
 def test_retention_boundaries():
     today = dt.date(2026, 11, 21)
     assert not ar.is_expired(dt.date(2026, 11, 14), 7, today)  # today and the 7 dates before it are kept

@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 DAY_MS = 86_400_000
+_INLINE = np.arange(12)  # Arrow binary_view: values of up to 12 bytes sit in the view itself
 ROW_GROUP_BYTES = 64 << 20      # one Parquet row group per (topic, date) once this much is buffered ...
 BUFFER_BYTES = 128 << 20        # ... and every group is flushed when all groups together hold this much
 COMPRESSION = "zstd"
@@ -298,12 +299,26 @@ class _Writer:
             i = end
 
     def _binary(self, mv: memoryview, at: np.ndarray, length: np.ndarray, kind=None):
-        """One Arrow binary (or *kind*) array of the byte ranges [at, at+length) of mv: one copy."""
+        """One Arrow binary (or *kind*) array of the byte ranges [at, at+length) of mv: one copy, made by Arrow's
+        cast from a binary_view array whose views numpy builds (no Python step per record)."""
         pa = self._pa
-        offsets = np.zeros(len(at) + 1, np.int32)
-        np.cumsum(length, out=offsets[1:])
-        data = b"".join([mv[a:a + n] for a, n in zip(at.tolist(), length.tolist())])
-        return pa.Array.from_buffers(kind or pa.binary(), len(at), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+        n = len(at)
+        views = np.zeros((n, 16), np.uint8)  # Arrow's view: length i32, then 12 inline bytes or prefix, 0, offset
+        words = views.view(np.int32)
+        words[:, 0] = length
+        u8 = np.frombuffer(mv, np.uint8)
+        if len(u8) and n:
+            idx = at[:, None] + _INLINE
+            np.minimum(idx, len(u8) - 1, out=idx)
+            head = u8[idx]
+            head[_INLINE[None, :] >= length[:, None]] = 0
+            views[:, 4:] = head
+        long = length > 12
+        words[long, 2] = 0
+        words[long, 3] = at[long]
+        arr = pa.Array.from_buffers(pa.binary_view(), n, [None, pa.py_buffer(views), pa.py_buffer(mv)])
+        arr = arr.cast(pa.binary())
+        return arr if kind is None else arr.view(kind)
 
     def _text(self, mv: memoryview, at: np.ndarray, length: np.ndarray):
         """A string array of byte ranges decoded as UTF-8, invalid sequences replaced (as bytes.decode does)."""
@@ -455,8 +470,11 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
     Records are never decoded one by one: the walk (tierfs.spark.walk.batches) hands over batches of records as
     arrays, and each becomes Arrow columns.
     """
-    if read is None:
-        from tierfs.spark.tasks import read_segment as read
+    if read is None:  # the walk copies each block as it arrives: reads may reuse their buffers
+        from tierfs.spark.tasks import read_segment
+
+        def read(store: ObjectStore, seg: dict) -> Iterable[bytes]:
+            return read_segment(store, seg, transient=True)
     path, gen, size = seg["path"], int(seg["generation"]), int(seg["size"])
     name = path.rsplit("/", 1)[-1]
     consumed = 0

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tierfs import failpoints
+from tierfs.spark import cds
 from tierfs.store import indexfile
 from tierfs.store.paths import Kind, classify
 
@@ -319,9 +320,9 @@ def write_result(job_dir: Path, result: dict) -> None:
 QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
-def spark_conf(inp: JobInput) -> dict[str, str]:
+def spark_conf(inp: JobInput, cds_plan: cds.Plan | None = None) -> dict[str, str]:
     """The settings given to the SparkSession builder: quiet, quick-starting defaults, then every spark.* key of the
-    input."""
+    input; the driver maps (or records) the class-data archive of *cds_plan*."""
     conf = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
             "spark.driver.extraJavaOptions": QUICK_JVM}
     if is_local_master(inp.master):
@@ -331,11 +332,14 @@ def spark_conf(inp: JobInput) -> dict[str, str]:
     log4j = f"-Dlog4j2.configurationFile=file:{inp.job_dir.resolve() / LOG4J}"
     opts = conf.get("spark.driver.extraJavaOptions", "")
     if "log4j2.configurationFile" not in opts:
-        conf["spark.driver.extraJavaOptions"] = f"{opts} {log4j}".strip()
+        opts = f"{opts} {log4j}".strip()
+    if cds_plan is not None:
+        opts = f"{opts} {cds_plan.java_options}"
+    conf["spark.driver.extraJavaOptions"] = opts
     return conf
 
 
-def start_session(inp: JobInput):
+def start_session(inp: JobInput, cds_plan: cds.Plan | None = None):
     """SparkSession for the job (executors use this same Python unless PYSPARK_PYTHON says otherwise)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -347,8 +351,10 @@ def start_session(inp: JobInput):
     (inp.job_dir / LOG4J).write_text(_LOG4J_TEXT)
     from pyspark.sql import SparkSession
 
+    if cds_plan is not None and cds_plan.tmp is None:
+        failpoints.hit("spark.session.cds")  # tests: a JVM that cannot start with the archive it maps
     builder = SparkSession.builder.appName(f"tierfs-{inp.job_id}")
-    for k, v in spark_conf(inp).items():
+    for k, v in spark_conf(inp, cds_plan).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
@@ -557,8 +563,20 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(job_dir / PROGRESS)
     try:
         t0 = time.monotonic()
+        # the driver JVM is started here unless spark-submit started it (then it runs as that was configured)
+        cds_plan = None if "PYSPARK_GATEWAY_PORT" in os.environ else \
+            cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **inp.spark})
         try:
-            spark = start_session(inp)
+            try:
+                spark = start_session(inp, cds_plan)
+            except Exception as e:  # noqa: BLE001 - a damaged archive must not stop every job: drop it, start again
+                if cds_plan is None:
+                    raise
+                print(f"tierfs.spark: warning: Spark did not start with class-data archive {cds_plan.archive}, "
+                      f"which is removed: {_spark_error(e)}", file=sys.stderr)
+                cds.discard(cds_plan)
+                cds_plan = None
+                spark = start_session(inp, None)
         except Exception as e:  # noqa: BLE001
             print(f"tierfs.spark: error: cannot start Spark (spark.master {inp.master!r}): {_spark_error(e)}",
                   file=sys.stderr)
@@ -574,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
             write_result(job_dir, result)
         finally:
             spark.stop()
+            from pyspark import SparkContext
+
+            cds.publish(cds_plan, SparkContext)
     finally:
         progress.close()
     failed = len(result["errors"])

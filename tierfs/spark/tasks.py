@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
+import threading
 from typing import Any, Iterator
 
 import crc32c as _crc32c
@@ -26,6 +28,8 @@ __all__ = ["SegmentError", "read_segment", "compact_segment", "build_index_sidec
 _READ_BYTES = 16 << 20  # at most this much per GET while streaming a segment (rounded to whole blocks)
 _READ_AHEAD = 1         # GETs in flight beyond the one being consumed (a thread overlaps them with the work)
 STREAM_MAX_BYTES = 4 << 30  # compact_segment streams segments up to this size into put_stream, spools larger ones
+GATHER_MAX_BYTES = 256 << 20  # stores without a streaming upload get lz4c objects up to this size from one buffer
+POOL_MAX_BYTES = 512 << 20  # buffers kept for reuse by this process (an executor's Python worker runs many tasks)
 
 
 class SegmentError(Exception):
@@ -51,48 +55,111 @@ def _blocks_per_read(block_bytes: int) -> int:
     return max(1, _READ_BYTES // block_bytes)
 
 
-def _read_ahead(store: ObjectStore, ranges: list[tuple[str, int, int]]) -> Iterator[tuple[bytes, Exception | None]]:
+class _BufferPool:
+    """Buffers kept for reuse across reads and tasks of this process: a fresh 16 MiB buffer costs page faults
+    and zeroing about as much as lz4 costs on the same bytes; a reused one costs neither."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        """A buffer of at least *size* bytes (contents undefined)."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= size]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return buf
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        """Return a buffer no view of which is used any more; the smallest are dropped beyond max_bytes."""
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=len, reverse=True)
+            total = 0
+            for i, b in enumerate(self._free):
+                total += len(b)
+                if total > self.max_bytes:
+                    del self._free[i:]
+                    break
+
+
+_POOL = _BufferPool(POOL_MAX_BYTES)
+
+
+@contextlib.contextmanager
+def _pooled(sizes: list[int]) -> Iterator[list[bytearray]]:
+    bufs = [_POOL.take(n) for n in sizes]
+    try:
+        yield bufs
+    finally:
+        for b in bufs:
+            _POOL.give(b)
+
+
+def _read_ahead(store: ObjectStore, ranges: list[tuple[str, int, int]], transient: bool = False
+                ) -> Iterator[tuple[bytes | memoryview, Exception | None]]:
     """(data, None) for each ranged GET (key, offset, length), in order, the next _READ_AHEAD GETs already in
     flight on a helper thread while the caller works on the current one; (b"", error) for a GET that failed (the
-    caller names the object, and stops)."""
-    def get(r: tuple[str, int, int]) -> tuple[bytes, Exception | None]:
-        try:
-            return store.get_range(*r), None
-        except ObjectStoreError as e:
-            return b"", e
+    caller names the object, and stops).
 
-    if len(ranges) <= 1:
-        yield from map(get, ranges)
-        return
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierfs-read-ahead") as pool:
-        pending: collections.deque = collections.deque(pool.submit(get, r) for r in ranges[:_READ_AHEAD + 1])
-        todo = iter(ranges[_READ_AHEAD + 1:])
-        try:
-            while pending:
-                fut = pending.popleft()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    pending.append(pool.submit(get, nxt))
-                yield fut.result()
-        finally:
-            for fut in pending:
-                fut.cancel()
+    *transient*: data is a view of a pooled buffer that a later GET of this call reuses, valid until the caller
+    asks for the next item but one (no fresh memory per GET); else a bytes object of its own."""
+    nbuf = min(len(ranges), _READ_AHEAD + 2) if transient else 0
+    with _pooled([max(n for _, _, n in ranges)] * nbuf if nbuf else []) as bufs:
+        def get(t: int) -> tuple[bytes | memoryview, Exception | None]:
+            key, off, n = ranges[t]
+            try:
+                if not bufs:
+                    return store.get_range(key, off, n), None
+                view = memoryview(bufs[t % len(bufs)])[:n]
+                store.get_range_into(key, off, [view])
+                return view.toreadonly(), None
+            except ObjectStoreError as e:
+                return b"", e
+
+        if len(ranges) <= 1:
+            yield from map(get, range(len(ranges)))
+            return
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierfs-read-ahead") as pool:
+            pending: collections.deque = collections.deque(pool.submit(get, t)
+                                                           for t in range(min(len(ranges), _READ_AHEAD + 1)))
+            todo = iter(range(_READ_AHEAD + 1, len(ranges)))
+            try:
+                while pending:
+                    fut = pending.popleft()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending.append(pool.submit(get, nxt))
+                    yield fut.result()
+            finally:
+                for fut in pending:
+                    fut.cancel()
 
 
 # ------------------------------------------------------------------------------------------------ read
 
 
-def read_segment(store: ObjectStore, seg: dict) -> Iterator[bytes | memoryview]:
+def read_segment(store: ObjectStore, seg: dict, *, transient: bool = False,
+                 check_content: bool = True) -> Iterator[bytes | memoryview]:
     """Yield the segment's content block by block (``block_bytes`` each, the last maybe shorter; bytes or read-only
     memoryviews of a larger GET, never copied), from its raw chunk objects or its lz4c object, the next GET in
     flight while the caller works on the current one. Every block is checked against its crc32c before it is
     yielded, and the whole content against ``seg["crc32c"]`` after the last one (a mismatch there raises instead of
-    finishing)."""
+    finishing).
+
+    *transient*: GETs land in buffers reused by later GETs of the same read (and later reads of this process), so
+    a block stays valid only until the caller has used the blocks after it of one more GET (up to 16 MiB): for
+    callers that copy or consume each block at once. *check_content* False (raw segments) leaves the whole-content
+    check to a caller that computes the same crc32c anyway (each block is still checked)."""
     fmt = seg.get("format")
     if fmt == "raw":
-        return _read_raw(store, seg)
+        return _read_raw(store, seg, transient, check_content)
     if fmt == "lz4c":
-        return _read_lz4c(store, seg)
+        return _read_lz4c(store, seg, transient, check_content)
     raise SegmentError(f"{_name(seg)}: unknown format {fmt!r} (expected raw or lz4c)")
 
 
@@ -111,7 +178,7 @@ def _check_content(seg: dict, crc: int, size: int) -> None:
                            f"{want:08x}")
 
 
-def _read_raw(store: ObjectStore, seg: dict) -> Iterator[bytes]:
+def _read_raw(store: ObjectStore, seg: dict, transient: bool, check_content: bool) -> Iterator[bytes | memoryview]:
     size, bb, objects = _common(seg)
     chunk = _field(seg, "chunk_bytes", int)
     crcs = _field(seg, "block_crcs", list)
@@ -127,7 +194,7 @@ def _read_raw(store: ObjectStore, seg: dict) -> Iterator[bytes]:
     ranges = [(key, rel, min(step, min(chunk, size - i * chunk) - rel))
               for i, key in enumerate(objects) for rel in range(0, min(chunk, size - i * chunk), step)]
     crc, b = 0, 0
-    for (key, rel, n), (data, err) in zip(ranges, _read_ahead(store, ranges)):
+    for (key, rel, n), (data, err) in zip(ranges, _read_ahead(store, ranges, transient)):
         if err is not None:
             raise SegmentError(f"{_name(seg)}: chunk object {key!r}: {type(err).__name__}: {err}") from err
         if len(data) != n:
@@ -141,13 +208,15 @@ def _read_raw(store: ObjectStore, seg: dict) -> Iterator[bytes]:
                 raise SegmentError(f"{_name(seg)}: chunk object {key!r} is corrupt: block {b} (object bytes "
                                    f"[{rel + pos}, {rel + pos + len(block)})) has crc32c {got:08x}, the "
                                    f"catalog says {crcs[b]:08x}")
-            crc = _crc(block, crc)
+            if check_content:
+                crc = _crc(block, crc)
             b += 1
             yield block
-    _check_content(seg, crc, size)
+    if check_content:
+        _check_content(seg, crc, size)
 
 
-def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
+def _read_lz4c(store: ObjectStore, seg: dict, transient: bool, check_content: bool) -> Iterator[bytes]:
     size, bb, objects = _common(seg)
     if len(objects) != 1:
         raise SegmentError(f"{_name(seg)}: an lz4c segment has exactly one object, {len(objects)} are listed")
@@ -174,7 +243,8 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
         crc = 0
         firsts = range(0, t.nblocks, per)
         spans = [lz4c.block_span(f, first, min(per, t.nblocks - first)) for first in firsts]
-        for first, (off, length), (raw, err) in zip(firsts, spans, _read_ahead(store, [(key, *sp) for sp in spans])):
+        reads = _read_ahead(store, [(key, *sp) for sp in spans], transient)
+        for first, (off, length), (raw, err) in zip(firsts, spans, reads):
             if err is not None:
                 raise err
             data = memoryview(raw)
@@ -202,10 +272,10 @@ def _read_lz4c(store: ObjectStore, seg: dict) -> Iterator[bytes]:
 def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str | None = None) -> dict:
     """Rewrite a raw segment as one lz4c object (``layout.lz4c_key``); return its ``segments[]`` result row.
 
-    Reads run one GET ahead of the encoder and the compressed blocks stream into ``store.put_stream`` as they are
-    produced (on S3, parts upload while the encoder works; elsewhere the object is collected in memory or, when
-    large, in a temporary file in *tmp_dir*). The stream ends with an error, so nothing is stored, unless the whole
-    content matched the catalog's size and crc32c.
+    Reads run one GET ahead of the encoder, into reused buffers, and the compressed blocks stream into
+    ``store.put_stream`` as they are produced (on S3, parts upload while the encoder works). A store without a
+    streaming upload (posix) gets the object from one reused buffer (up to GATHER_MAX_BYTES; larger ones go to a
+    temporary file in *tmp_dir*). Nothing is stored unless the whole content matched the catalog's size and crc32c.
     """
     path, gen = _field(seg, "path", str), _field(seg, "generation", int)
     if seg.get("format") != "raw":
@@ -216,21 +286,26 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
     w = lz4c.Lz4cWriter(bb)
 
     def produce() -> Iterator[bytes]:
-        for block in read_segment(store, seg):
+        for block in read_segment(store, seg, transient=True, check_content=False):
             out = w.add(block)
             if out:
                 yield out
         yield w.finish()
-        if w.size != size or w.content_crc32c != want:
+        if w.size != size or w.content_crc32c != want:  # the reader left this check to the writer's crc32c
             raise SegmentError(f"{_name(seg)}: compacted content is {w.size} bytes with crc32c "
-                               f"{w.content_crc32c:08x}; the catalog says {size} bytes with crc32c {want:08x}")
+                               f"{w.content_crc32c:08x}; the catalog's size is {size} bytes, its crc32c {want:08x}")
 
     def meta() -> dict[str, str]:  # called when the stream has ended: the content crc32c is known then
         return {"tierfs-format": "lz4c", "tierfs-size": str(size),
                 "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
 
-    # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
-    put = store.put_stream if size <= STREAM_MAX_BYTES else functools.partial(spool_put, store)
+    bound = size + -(-size // bb) * lz4c.ENTRY_SIZE + lz4c.TRAILER_SIZE  # blocks are never stored larger
+    if type(store).put_stream is ObjectStore.put_stream and bound <= GATHER_MAX_BYTES:
+        put = functools.partial(_gather_put, store, bound=bound)
+    elif size <= STREAM_MAX_BYTES:
+        put = store.put_stream
+    else:  # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
+        put = functools.partial(spool_put, store)
     try:
         info = put(key, produce(), metadata=meta, spool_dir=tmp_dir)
     except ObjectStoreError as e:
@@ -240,6 +315,23 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
                            f"{w.compressed_size} were uploaded")
     return {"path": path, "generation": gen, "format": "lz4c", "key": key, "size": size,
             "compressed_bytes": w.compressed_size, "crc32c": w.content_crc32c, "block_bytes": bb}
+
+
+def _gather_put(store: ObjectStore, key: str, chunks: Iterator[bytes], metadata, spool_dir: str | None,
+                bound: int):
+    """put_stream for a store without a streaming upload: the chunks (at most *bound* bytes) are collected in one
+    pooled buffer and stored with one put (spool_put would copy each chunk, join them into fresh memory, and
+    compute the crc32c that put computes again). *metadata* is called once the chunks are exhausted."""
+    with _pooled([bound]) as (buf,):
+        n = 0
+        for chunk in chunks:
+            m = len(chunk)
+            if n + m > bound:
+                raise SegmentError(f"object {key!r}: more than the {bound} bytes expected")
+            buf[n:n + m] = chunk
+            n += m
+        with memoryview(buf) as whole, whole[:n] as view:
+            return store.put(key, view, metadata=metadata())
 
 
 # ------------------------------------------------------------------------------------------------ index sidecar
