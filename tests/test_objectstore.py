@@ -401,8 +401,8 @@ def test_list_and_abort_stale_multipart_uploads(store, backend, tmp_path):
 @pytest.mark.parametrize("size", [0, 3 * MiB, 17 * MiB + 5])
 def test_put_stream_stores_what_was_produced_with_its_crc32c(store, size, monkeypatch):
     """put_stream takes the chunks as produced (S3: parts uploaded while the producer runs, > 1 part here) and
-    stores the content with the crc32c of the whole and the metadata a callable gives once the stream ended;
-    the posix default spools to a file past SPOOL_MEMORY_BYTES."""
+    stores the content with the crc32c of the whole and the metadata a callable gives once the stream ended
+    (posix: written straight into the object's temp file, see test_posix_put_stream_needs_no_spool)."""
     from tierfs.objectstore import base
 
     monkeypatch.setattr(base, "SPOOL_MEMORY_BYTES", 4 * MiB)
@@ -468,6 +468,37 @@ def test_s3_payload_signing_on_the_wire(rgw, s3_bucket):  # noqa: F811
             assert set(sent) == {"UNSIGNED-PAYLOAD"}, (mode, sent)
         else:
             assert sent[0] == hashlib.sha256(small).hexdigest() and "UNSIGNED-PAYLOAD" not in sent, (mode, sent)
+
+
+def test_posix_put_stream_needs_no_spool(tmp_path, monkeypatch):
+    """A posix put_stream past SPOOL_MEMORY_BYTES writes the chunks straight into the object's temp file: no
+    spool file (compaction of a 1 GiB segment wrote it twice, once to $TMPDIR), and a producer's own OSError
+    reaches the caller as itself. Fails on 37db488 (the base class spooled to a file in spool_dir)."""
+    from tierfs.objectstore import base
+
+    monkeypatch.setattr(base, "SPOOL_MEMORY_BYTES", MiB)
+    s = PosixObjectStore(str(tmp_path / "st"))
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    data = random.Random(7).randbytes(5 * MiB + 3)
+
+    def chunks():
+        for off in range(0, len(data), MiB):
+            yield data[off:off + MiB]
+            assert not list(spool.iterdir()), "a spool file while streaming"
+
+    info = s.put_stream("stream/direct", chunks(), metadata=lambda: {"tierfs-x": "1"}, spool_dir=str(spool))
+    assert info.size == len(data) and s.get("stream/direct") == data
+    assert dict(s.head("stream/direct").metadata) == {"tierfs-x": "1", "crc32c": format_crc32c(crc32c_of(data))}
+
+    def broken():
+        yield bytes(3 * MiB)
+        raise FileNotFoundError(2, "source segment vanished")
+
+    with pytest.raises(FileNotFoundError, match="source segment vanished"):
+        s.put_stream("stream/broken", broken(), spool_dir=str(spool))
+    assert s.head("stream/broken") is None and not list(spool.iterdir())
+    assert not [p for p in (tmp_path / "st").rglob("*") if p.name.startswith(".tierfs-tmp.")]
 
 
 def test_put_stream_failing_producer_stores_nothing(store):

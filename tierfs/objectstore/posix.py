@@ -74,6 +74,11 @@ class _Corrupt(Exception):
     pass
 
 
+class _ProducerFailed(Exception):
+    """Carries an exception of put_stream's producer past `_errors`, which must not translate it (the caller gets
+    the producer's own exception, as from every store)."""
+
+
 def _crc(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
@@ -280,6 +285,45 @@ class PosixObjectStore(ObjectStore):
         with self._errors(key, "put_file"):
             tmp, size, crc = self._stage(dest, key, copy, meta_for)
             return self._publish(tmp, dest, key, size, crc, metas)
+
+    def put_stream(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
+                   metadata: Mapping[str, str] | Callable[[], Mapping[str, str] | None] | None = None,
+                   spool_dir: str | None = None) -> ObjectInfo:
+        """As the base class says, but written straight into the object's own temp file as the chunks come: no
+        spool and no second copy, whatever the size (compaction streams whole lz4c segments through here).
+        `spool_dir` is not used."""
+        if not callable(metadata):
+            merge_crc32c(key, metadata, None)  # validate before consuming anything
+        dest = self._path(key)
+        metas: dict[str, str] = {}
+
+        def write(fd: int) -> tuple[int, int]:
+            crc = size = 0
+            it = iter(chunks)
+            while True:
+                try:
+                    chunk = next(it)
+                except StopIteration:
+                    break
+                except Exception as e:
+                    raise _ProducerFailed() from e
+                if chunk:
+                    crc = _crc(chunk, crc)
+                    size += _write_all(fd, chunk)
+            try:
+                given = metadata() if callable(metadata) else metadata
+            except Exception as e:
+                raise _ProducerFailed() from e
+            metas.update(merge_crc32c(key, given, crc))  # ValueError if a given crc32c does not match
+            return size, crc
+
+        try:
+            with self._errors(key, "put_stream"):
+                tmp, size, crc = self._stage(dest, key, write, lambda _crc32c: metas)
+                return self._publish(tmp, dest, key, size, crc, metas)
+        except _ProducerFailed as e:
+            assert e.__cause__ is not None
+            raise e.__cause__ from None
 
     def compose(self, key: str, sources: list[tuple[str, int, int]], *, crc32c: int,
                 metadata: Mapping[str, str] | None = None) -> ObjectInfo:

@@ -28,7 +28,6 @@ __all__ = ["SegmentError", "read_segment", "compact_segment", "build_index_sidec
 _READ_BYTES = 16 << 20  # at most this much per GET while streaming a segment (rounded to whole blocks)
 _READ_AHEAD = 1         # GETs in flight beyond the one being consumed (a thread overlaps them with the work)
 STREAM_MAX_BYTES = 4 << 30  # compact_segment streams segments up to this size into put_stream, spools larger ones
-GATHER_MAX_BYTES = 256 << 20  # stores without a streaming upload get lz4c objects up to this size from one buffer
 POOL_MAX_BYTES = 512 << 20  # buffers kept for reuse by this process (an executor's Python worker runs many tasks)
 
 
@@ -273,9 +272,8 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
     """Rewrite a raw segment as one lz4c object (``layout.lz4c_key``); return its ``segments[]`` result row.
 
     Reads run one GET ahead of the encoder, into reused buffers, and the compressed blocks stream into
-    ``store.put_stream`` as they are produced (on S3, parts upload while the encoder works). A store without a
-    streaming upload (posix) gets the object from one reused buffer (up to GATHER_MAX_BYTES; larger ones go to a
-    temporary file in *tmp_dir*). Nothing is stored unless the whole content matched the catalog's size and crc32c.
+    ``store.put_stream`` as they are produced (on S3, parts upload while the encoder works; posix writes them into
+    the object's temp file). Nothing is stored unless the whole content matched the catalog's size and crc32c.
     """
     path, gen = _field(seg, "path", str), _field(seg, "generation", int)
     if seg.get("format") != "raw":
@@ -299,10 +297,7 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
         return {"tierfs-format": "lz4c", "tierfs-size": str(size),
                 "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
 
-    bound = size + -(-size // bb) * lz4c.ENTRY_SIZE + lz4c.TRAILER_SIZE  # blocks are never stored larger
-    if type(store).put_stream is ObjectStore.put_stream and bound <= GATHER_MAX_BYTES:
-        put = functools.partial(_gather_put, store, bound=bound)
-    elif size <= STREAM_MAX_BYTES:
+    if size <= STREAM_MAX_BYTES:
         put = store.put_stream
     else:  # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
         put = functools.partial(spool_put, store)
@@ -315,23 +310,6 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
                            f"{w.compressed_size} were uploaded")
     return {"path": path, "generation": gen, "format": "lz4c", "key": key, "size": size,
             "compressed_bytes": w.compressed_size, "crc32c": w.content_crc32c, "block_bytes": bb}
-
-
-def _gather_put(store: ObjectStore, key: str, chunks: Iterator[bytes], metadata, spool_dir: str | None,
-                bound: int):
-    """put_stream for a store without a streaming upload: the chunks (at most *bound* bytes) are collected in one
-    pooled buffer and stored with one put (spool_put would copy each chunk, join them into fresh memory, and
-    compute the crc32c that put computes again). *metadata* is called once the chunks are exhausted."""
-    with _pooled([bound]) as (buf,):
-        n = 0
-        for chunk in chunks:
-            m = len(chunk)
-            if n + m > bound:
-                raise SegmentError(f"object {key!r}: more than the {bound} bytes expected")
-            buf[n:n + m] = chunk
-            n += m
-        with memoryview(buf) as whole, whole[:n] as view:
-            return store.put(key, view, metadata=metadata())
 
 
 # ------------------------------------------------------------------------------------------------ index sidecar
