@@ -297,10 +297,8 @@ def compact_segment(store: ObjectStore, store_id: str, seg: dict, tmp_dir: str |
         return {"tierfs-format": "lz4c", "tierfs-size": str(size),
                 "tierfs-content-crc32c": format_crc32c(w.content_crc32c)}
 
-    if size <= STREAM_MAX_BYTES:
-        put = store.put_stream
-    else:  # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
-        put = functools.partial(spool_put, store)
+    # S3 sets the crc32c metadata by a copy onto itself, limited to 5 GiB: larger segments are spooled
+    put = store.put_stream if size <= STREAM_MAX_BYTES else functools.partial(spool_put, store)
     try:
         info = put(key, produce(), metadata=meta, spool_dir=tmp_dir)
     except ObjectStoreError as e:

@@ -348,36 +348,33 @@ class BlockCache:
     async def _ensure(self, e: Entry, blocks: list[int], deadline: float, scan: bool = False) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
         error a reader gets is the one of the fetch it waited for."""
-        fetches: dict[int, Fetch] = {}
-        todo = []
-        for b in blocks:
-            f = self.inflight.get((e.file_id, e.generation, b))
-            if f is not None:
-                fetches[id(f)] = f
-            else:
-                todo.append(b)
-        for first, n in block_runs(e, todo, 8):
-            f = self._start_fetch(e, first, n, prefetch=False, scan=scan)
-            fetches[id(f)] = f
+        fetches = self._join_or_start(e, blocks, lambda todo: block_runs(e, todo, 8), scan=scan, unit=False)
         fid, gen, pool = e.file_id, e.generation, self.pool
         await self._wait(e, fetches, deadline, lambda: all(e.is_resident(b) or (fid, gen, b) in pool for b in blocks))
 
     async def _ensure_units(self, e: Entry, wanted: list[int], deadline: float) -> None:
         """Fetch verification units `wanted` into the pool (runs inside one chunk object, one GET each), bounded
         by the read deadline, like _ensure."""
+        fetches = self._join_or_start(e, wanted, lambda todo: unit_runs(e, todo), scan=False, unit=True)
+        fid, gen, pool = e.file_id, e.generation, self.pool
+        await self._wait(e, fetches, deadline, lambda: all((fid, gen, ~k) in pool for k in wanted))
+
+    def _join_or_start(self, e: Entry, pieces: list[int], runs: Callable[[list[int]], list[tuple[int, int]]],
+                       scan: bool, unit: bool) -> dict[int, Fetch]:
+        """The fetches a reader of `pieces` (blocks, or with `unit` verification units) waits for: those already
+        in flight for some of them, and new ones for the rest, grouped by `runs`."""
         fetches: dict[int, Fetch] = {}
         todo: list[int] = []
-        for k in wanted:
-            f = self.inflight.get((e.file_id, e.generation, ~k))
+        for p in pieces:
+            f = self.inflight.get((e.file_id, e.generation, ~p if unit else p))
             if f is not None:
                 fetches[id(f)] = f
             else:
-                todo.append(k)
-        for first, n in unit_runs(e, todo):
-            f = self._start_fetch(e, first, n, prefetch=False, scan=False, unit=True)
+                todo.append(p)
+        for first, n in runs(todo):
+            f = self._start_fetch(e, first, n, prefetch=False, scan=scan, unit=unit)
             fetches[id(f)] = f
-        fid, gen, pool = e.file_id, e.generation, self.pool
-        await self._wait(e, fetches, deadline, lambda: all((fid, gen, ~k) in pool for k in wanted))
+        return fetches
 
     async def _wait(self, e: Entry, fetches: dict[int, Fetch], deadline: float, have: Callable[[], bool]) -> None:
         """Wait for `fetches` until `have()` (what the reader asked for is in: a GET may land its blocks before it

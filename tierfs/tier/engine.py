@@ -64,8 +64,8 @@ class Engine:
         self.enabled = bool(config["tiering.enabled"])
         self.block = int(config["cache.block_bytes"])
         self.chunk = int(config["objectstore.chunk_bytes"])
-        self.unit = int(config["cache.verify_bytes"]) or self.block  # the block itself: no finer table
-        if self.block % self.unit or self.unit < 512:
+        self.unit = int(config["cache.verify_bytes"])  # 0: no finer verification table
+        if self.unit and (self.block % self.unit or self.unit < 512):
             from tierfs.config import ConfigError
 
             raise ConfigError(f"config key 'cache.verify_bytes': {self.unit} does not divide cache.block_bytes "

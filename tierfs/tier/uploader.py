@@ -230,7 +230,7 @@ class Uploader:
             if res is None:
                 continue
             shrank = isinstance(res, ShortRead)
-            crc, block_crcs, keys, units = (0, [], res.keys, (0, b"")) if isinstance(res, ShortRead) else res
+            crc, block_crcs, keys, table = (0, [], res.keys, (0, b"")) if isinstance(res, ShortRead) else res
             if (shrank or eng.write_seq.get(ino, 0) != seq or eng.entries.get(e.path) is not e
                     or e.state is not State.UPLOADING):
                 log.info("%s changed during upload%s; discarding gen %d objects", e.path,
@@ -239,7 +239,7 @@ class Uploader:
                 if eng.entries.get(e.path) is e and eng.is_live(e):
                     voided.append(e)
                 continue
-            done.append(((e, ino, seq), (crc, block_crcs, keys, units, now)))
+            done.append(((e, ino, seq), (crc, block_crcs, keys, table, now)))
         if not done and not void_keys:
             return failed
         gen0 = await eng.db(eng.catalog.allocate, len(voided)) if voided else 0
@@ -299,7 +299,7 @@ class Uploader:
         keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
         crc = 0
         block_crcs: list[int] = []
-        unit = eng.unit if e.block_bytes % eng.unit == 0 and eng.unit < e.block_bytes else 0
+        unit = eng.unit if 0 < eng.unit < e.block_bytes and e.block_bytes % eng.unit == 0 else 0
         unit_crcs: list[bytes] = []
         verify_full = eng.config["upload.verify"] == "full"
         fd = os.open(eng.hot / e.path, os.O_RDONLY | os.O_NOFOLLOW)
