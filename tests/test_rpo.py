@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 from mountutil import Mount, wait_for
 from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
-from test_tiering import TIER_OPTS
+from test_tiering import TIER_OPTS, reference_store  # noqa: F401 (a fixture)
 
 from tierfs.objectstore import open_store
 from tierfs.objectstore.base import ObjectStoreError
+from tierfs.store.commitlog import sealed_commitlog_end
 from tierfs.tier import snapshot as snap
 
 RPO = 2.0
@@ -53,8 +54,8 @@ class TakeoverMount(Mount):
 class FollowMount(Mount):
     """`tierfs mount --read-only --follow --from URL --cache-dir CACHE MNT`."""
 
-    def __init__(self, url: str, cache: Path, mnt: Path, options=()):
-        super().__init__(Path(cache) / "tree", mnt, options=options)
+    def __init__(self, url: str, cache: Path, mnt: Path, options=(), env=None):
+        super().__init__(Path(cache) / "tree", mnt, options=options, env=env)
         self.url, self.cache = url, Path(cache)
 
     def mount_args(self) -> list[str]:
@@ -261,6 +262,104 @@ def test_following_reader_sees_new_messages_within_the_rpo(tmp_path, mount_store
     # the follower read every message byte-identical from those chunks above
     eng = status(a)["totals"]["engine"]
     assert 0 < eng["upload_copied_bytes"] <= eng["upload_bytes"], eng
+
+
+def _read_uncached(p: Path) -> bytes:
+    """The file's bytes as a new reader gets them now: a fresh open, the kernel's pages dropped after."""
+    with open(p, "rb") as f:
+        data = f.read()
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return data
+
+
+def test_a_refresh_swaps_each_file_in_whole(tmp_path, mount_store, cleanup_list, reference_store):
+    """A follower's refresh that replaces a file (an active tail that sealed, now served from its segment
+    objects) swaps it in whole: every reader that opens it meanwhile gets the old bytes or the new ones. The refresh
+    is held in the middle of the swap (failpoint follow.swap) while the test reads. Before the fix the new, empty
+    sparse copy was in place before its entry was, and readers in that window got zeros."""
+    rel = "commitlog/00000000000000000000"
+    data = (reference_store / rel).read_bytes()
+    end = sealed_commitlog_end(data, len(data))
+    assert end is not None and end > 0
+    old = data[:end] + bytes(len(data) - end)  # the tail the follower starts from: every record, no BLANK
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    a = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},store.id=swap1,tiering.rpo_seconds=1"])
+    (a.mnt / "commitlog").mkdir()
+    fd = os.open(a.mnt / rel, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, len(data))
+        os.pwrite(fd, data[:end], 0)
+        os.fsync(fd)
+        wait_round_after(a, time.time())
+        r = FollowMount(f"file://{objects}/swap1", tmp_path / "cache", tmp_path / "romnt",
+                        options=["tiering.rpo_seconds=1"], env={"TIERFS_FAILPOINTS": "follow.swap=sleep:6"})
+        (tmp_path / "romnt").mkdir()
+        cleanup_list.append(r)
+        r.mount()
+        assert _read_uncached(r.mnt / rel) == old
+        os.pwrite(fd, data[end:], end)  # the BLANK: the segment seals, is uploaded and tiered
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+    def swapped() -> bool:
+        """Read it, whatever the follower is doing: done once it serves the sealed segment from its objects."""
+        tiered = any(f["path"] == rel and f["state"] == "tiered" for f in status(r)["files"])
+        got = _read_uncached(r.mnt / rel)
+        assert got in (old, data), f"a reader got neither the old nor the new bytes ({got.count(0)} zero bytes)"
+        return tiered and got == data
+    wait_for(swapped, timeout=90, interval=0.1, what="the follower to serve the sealed segment from its objects")
+    assert status(r)["follow"]["refreshes"] >= 1
+
+
+def test_a_reader_holding_a_rewritten_segment_keeps_its_bytes(tmp_path, mount_store, cleanup_list,
+                                                              reference_store):
+    """A follower's reader that holds a tiered segment open while the writer rewrites it (a new generation, new
+    objects) keeps reading the bytes it opened, evicted parts included, as after a rename over an open file; a new
+    reader gets the new bytes. Before the fix the old entry was dropped at the refresh and the held reader got
+    zeros for every block not fetched yet."""
+    rel = "commitlog/00000000000000000000"
+    data = (reference_store / rel).read_bytes()
+    end = sealed_commitlog_end(data, len(data))
+    changed = bytearray(data)
+    changed[end - 1] ^= 0xFF  # a byte of the last record's body: still sealed by content, a new generation
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    a = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},store.id=swap2,tiering.rpo_seconds=1"])
+    (a.mnt / "commitlog").mkdir()
+    (a.mnt / rel).write_bytes(data)
+
+    def tiered(m: Mount) -> bool:
+        return any(f["path"] == rel and f["state"] == "tiered" for f in status(m)["files"])
+    wait_for(lambda: tiered(a), timeout=60, interval=0.2, what="the segment tiered on the writer")
+    wait_round_after(a, time.time())
+    r = FollowMount(f"file://{objects}/swap2", tmp_path / "cache", tmp_path / "romnt", options=["tiering.rpo_seconds=1"])
+    (tmp_path / "romnt").mkdir()
+    cleanup_list.append(r)
+    r.mount()
+    assert tiered(r)
+    held = os.open(r.mnt / rel, os.O_RDONLY)
+    try:
+        # nothing read yet: every block of it is still only in the bucket (a read now would read ahead)
+        fd = os.open(a.mnt / rel, os.O_WRONLY)
+        try:
+            os.pwrite(fd, changed[end - 1:end], end - 1)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+        def objects(m: Mount) -> list[str]:
+            return next((f["objects"] for f in status(m)["files"] if f["path"] == rel and f["state"] == "tiered"), [])
+        first = objects(r)
+        wait_for(lambda: objects(r) not in ([], first), timeout=90, interval=0.2,
+                 what="the follower to serve the rewritten segment's objects")  # without reading the old ones
+        os.posix_fadvise(held, 0, 0, os.POSIX_FADV_DONTNEED)
+        got = os.pread(held, len(data), 0)
+        assert got == data, f"the held reader got other bytes ({got.count(0)} zero bytes)"
+    finally:
+        os.close(held)
+    assert _read_uncached(r.mnt / rel) == changed
 
 
 # ---------------------------------------------------------------------------------------------- S3 (Ceph RGW)

@@ -21,6 +21,9 @@ class InodeTable:
         self.by_path: dict[str, int] = {"": ROOT}
         self.lookups: dict[int, int] = {ROOT: 1}
         self.fds: dict[int, set[int]] = {}
+        # inodes whose name the daemon gave to another file (a following mount's refresh) while the kernel may
+        # still resolve the name to them: an open by that stale inode gets the file that has the name now
+        self.stale: dict[int, str] = {}
 
     def ino_of(self, st: os.stat_result) -> int:
         return ROOT if st.st_ino == self._root_ino else st.st_ino
@@ -51,6 +54,7 @@ class InodeTable:
             self._drop_inode(inode)
 
     def _drop_inode(self, inode: int) -> None:
+        self.stale.pop(inode, None)
         for p in self.paths.pop(inode, ()):
             if self.by_path.get(p) == inode:
                 del self.by_path[p]
@@ -61,6 +65,13 @@ class InodeTable:
             ps.discard(path)
         if self.by_path.get(path) == inode:
             del self.by_path[path]
+
+    def replaced(self, inode: int, path: str) -> None:
+        """The daemon removed `path` or put another file there: `inode` loses the name (as after an unlink or a
+        rename over it), and a kernel that still resolves the name to it is sent to whatever has it now."""
+        self.unlinked(inode, path)
+        if inode in self.lookups or inode in self.fds:
+            self.stale[inode] = path
 
     def renamed(self, old: str, new: str, is_dir: bool) -> None:
         """Rewrite every known path under `old` (a file, or a directory and all below it) to live under `new`.

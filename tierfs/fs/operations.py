@@ -188,6 +188,9 @@ class TierOperations(pyfuse3.Operations):
         fd = self.inodes.any_fd(inode)
         if fd is not None:
             return os.fstat(fd)  # unlinked but still open or mapped
+        stale = self.inodes.stale.get(inode)
+        if stale is not None:  # its name went to a newer file behind the kernel's back: that file's attributes
+            return self.hotdir.lstat(stale)
         st = self._unlinked_stat.get(inode)
         if st is not None:  # unlinked and closed, but the kernel still holds it (e.g. to flush its ctime)
             return st
@@ -441,6 +444,14 @@ class TierOperations(pyfuse3.Operations):
                 await self.engine.on_unlink(new, ino, held)
             await self.engine.on_rename(old, new)
 
+    def name_gone(self, rel: str, old: os.stat_result) -> int | None:
+        """The daemon itself removed `rel` or gave it to another file (a following mount's refresh). The inode
+        that had the name loses it, as in an unlink or a rename over it. Returns an fd held open on that inode,
+        through which its readers go on, or None."""
+        ino = self.inodes.ino_of(old)
+        self.inodes.replaced(ino, rel)
+        return self.inodes.any_fd(ino)
+
     # ---------------------------------------------------------------- files
 
     def _new_file_handle(self, inode: int, fd: int, rel: str | None) -> pyfuse3.FileInfo:
@@ -464,9 +475,14 @@ class TierOperations(pyfuse3.Operations):
         rel = self.inodes.path(inode)
         if rel is None:  # unlinked, but the kernel still holds it (open by handle): reopen through /proc
             fd0 = self.inodes.any_fd(inode)
-            if fd0 is None:
+            stale = self.inodes.stale.get(inode)
+            if fd0 is not None:
+                fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
+            elif stale is not None:  # a name the daemon gave to a newer file: open that one, by its own inode
+                fd = self.hotdir.open(stale, self._backing_flags(flags))
+                inode, rel = self.inodes.ino_of(os.fstat(fd)), stale
+            else:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            fd = os.open(f"/proc/self/fd/{fd0}", self._backing_flags(flags))
         else:
             await self._before_o_trunc(inode, flags)
             fd = self.hotdir.open(rel, self._backing_flags(flags))

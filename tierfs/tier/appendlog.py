@@ -195,11 +195,11 @@ def load_tails(db, store_id: str) -> list[TailRow]:
     return out
 
 
-def materialise(store: ObjectStore, hot: Path, row: TailRow) -> int:
-    """Write a tail's append objects into its (sparse, full-size) local file, each verified by its crc32c (an
-    IndexFile's hash slots rebuilt from its items); restore its mtime. Returns the bytes written. Blocking;
-    ObjectStoreError or ValueError on a bad object."""
-    fd = os.open(hot / row.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+def materialise(store: ObjectStore, hot: Path, row: TailRow, into: Path | None = None) -> int:
+    """Write a tail's append objects into its (sparse, full-size) local file, or the file `into` that will take
+    its name, each verified by its crc32c (an IndexFile's hash slots rebuilt from its items); restore its mtime.
+    Returns the bytes written. Blocking; ObjectStoreError or ValueError on a bad object."""
+    fd = os.open(into or hot / row.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     n = 0
     try:
         # IndexFile: the items the local copy's slots were built from (a follower's refresh adds to them), unless

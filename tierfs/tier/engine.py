@@ -353,8 +353,8 @@ class Engine:
             return
         grace = float(self.config["delete.grace_seconds"])
         keep = e.state is State.TIERED and held_fd is not None and self.tiered.get(ino) is e
-        if keep and e.file_id not in self._fds:
-            self._fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
+        if keep:
+            self._hold(e, held_fd)
         await self.db(self.catalog.remove, rel, e.objects, NEVER if keep else time.time() + grace, ("cidx",))
         failpoints.hit("tier.unlinked")
         if self.entries.get(rel) is e:
@@ -367,12 +367,25 @@ class Engine:
         self.drop(e)
         log.info("%s deleted: %d objects deleted after %.0f s", rel, len(e.objects), grace)
 
+    def _hold(self, e: Entry, held_fd: int) -> None:
+        """Fetches and evictions of `e` go to its own inode, which has no name any more."""
+        if e.file_id not in self._fds:
+            self._fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
+
+    def keep_orphan(self, e: Entry, held_fd: int) -> None:
+        """A following mount removed `e`'s name or gave it to a newer file while `e` is open: served through its
+        open fds until the last close (its row is already gone or replaced)."""
+        self._hold(e, held_fd)
+        self.orphans[e.ino] = e
+
     async def on_released(self, ino: int) -> None:
         """The last open fd of an inode closed and it has no name: an orphan's objects now go after the grace."""
         e = self.orphans.pop(ino, None)
         if e is None:
             return
         self.drop(e)
+        if self.read_only:  # a reader never deletes objects
+            return
         grace = float(self.config["delete.grace_seconds"])
         await self.db(self.catalog.schedule_deletes, e.objects, time.time() + grace)
         log.info("%s: last holder closed; %d objects deleted after %.0f s", e.path, len(e.objects), grace)

@@ -4,16 +4,18 @@
 Each refresh reads the snapshot pointer; for a new snapshot it applies the difference to the mounted cache, on
 the trio thread between awaits (the engine's maps never change under a request):
 
-* active files (append objects): the objects not applied yet are written into the local file (a refresh reads
-  only what is new); a file that became a tiered segment since is served from its segment objects (its final
-  bytes, which the last tail may predate);
-* tiered files (sealed segments, and mutable files as blobs): new paths become new TIERED entries; a path whose
-  objects changed (a checkpoint rewritten, a segment rewritten) gets a new entry, its old local blocks punched;
+* active files (append objects): the objects not applied yet are written into the local file in place, in
+  offset order (a reader sees a longer prefix, as on the writer while the broker writes);
+* files served from objects (sealed segments, and mutable files as blobs), and tails not local yet: a new local
+  file is staged beside the old one (written whole, or sparse with its entry committed and registered first)
+  and renamed over it, so every reader gets the old file or the new one, never a half-made one. The old inode
+  keeps serving whoever holds it open (as after a rename over it on the writer); a segment that sealed is then
+  served from its segment objects (its final bytes, which the last tail may predate);
+* files are applied in the broker's own order (CommitLog, then ConsumeQueues and IndexFiles, then the rest);
 * paths gone from the snapshot (retention deleted them) are unlinked from the cache.
 
 The kernel's cached pages, attributes and names of every changed path are invalidated (pyfuse3 notify calls,
-from a worker thread: they write to /dev/fuse). A reader of a file being refreshed may see a mix of the two
-points for that one file, as it would on the writer while the broker writes.
+from a worker thread: they write to /dev/fuse).
 """
 
 from __future__ import annotations
@@ -23,21 +25,55 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import crc32c
 import pyfuse3
 import trio
 
+from tierfs import failpoints
 from tierfs.objectstore.base import ObjectStoreError
+from tierfs.store.paths import Kind, classify
 from tierfs.tier import appendlog
 from tierfs.tier import snapshot as snap
-from tierfs.tier.catalog import Entry
+from tierfs.tier.catalog import Entry, State
 
 if TYPE_CHECKING:
     from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.follow")
+
+
+_ORDER = {Kind.COMMITLOG: 0, Kind.CONSUMEQUEUE: 1, Kind.BATCHCONSUMEQUEUE: 1, Kind.CONSUMEQUEUE_EXT: 1,
+          Kind.INDEX: 2}
+
+
+def apply_order(rel: str) -> tuple[int, str]:
+    """The order a refresh applies files in, the broker's own: CommitLog (by offset), then the ConsumeQueues and
+    IndexFiles built from it, then the rest (checkpoint, config). A reader never finds a later file's bytes
+    without the earlier ones that were in the same point."""
+    return _ORDER.get(classify(rel), 3), rel
+
+
+def _replace(tmp: Path, dst: Path) -> os.stat_result | None:
+    """Blocking: rename tmp over dst; the stat of the file dst named before, if any."""
+    try:
+        old = os.lstat(dst)
+    except FileNotFoundError:
+        old = None
+    os.replace(tmp, dst)
+    return old
+
+
+def _unlink(p: Path) -> os.stat_result | None:
+    """Blocking: unlink p; its stat, or None if it was not there."""
+    try:
+        old = os.lstat(p)
+        os.unlink(p)
+    except FileNotFoundError:
+        return None
+    return old
 
 
 @dataclasses.dataclass
@@ -61,6 +97,9 @@ class Follower:
         self.refreshes = 0
         self.last_error = ""
         self.last_refresh = 0.0
+        # set by the FUSE layer: a name the daemon removed or gave to another file (the stat of the file that had
+        # it); returns an fd held open on that file, or None
+        self.name_gone: Callable[[str, os.stat_result], int | None] | None = None
 
     def status(self) -> dict:
         return {"follow_every_s": self.every, "seq": self.seq, "refreshes": self.refreshes,
@@ -120,50 +159,20 @@ class Follower:
 
     async def _apply(self, plan: _Plan) -> list[str]:
         eng = self.eng
-        hot = eng.hot
         changed: list[str] = []
         for p, typ, mode, *_ in sorted(plan.tree, key=lambda r: r[0].count("/")):
-            if typ == "d" and not (hot / p).is_dir():
-                os.makedirs(hot / p, exist_ok=True)
+            if typ == "d" and not (eng.hot / p).is_dir():
+                os.makedirs(eng.hot / p, exist_ok=True)
                 changed.append(p)
         keep: set[str] = {t[0] for t in plan.tree}
-        for t in plan.tails:
-            keep.add(t.path)
-            new = [o for o in t.objects if o.key not in self.applied.get(t.path, set())]
-            if t.path not in self.local:
-                await self._drop_entry(t.path)
-                await trio.to_thread.run_sync(self._create, t.path, t.size)
-                self.local.add(t.path)
-            elif not new and (hot / t.path).stat().st_size == t.size:
-                continue
-            row = dataclasses.replace(t, objects=tuple(new))
-            await trio.to_thread.run_sync(self._write_tail, row, limiter=eng.limiter)
-            self.applied.setdefault(t.path, set()).update(o.key for o in new)
-            changed.append(t.path)
-        fresh: list[Entry] = []
-        for e, mode, uid, gid in plan.files:
-            keep.add(e.path)
-            cur = eng.entries.get(e.path)
-            if e.path in self.local:
-                # sealed since: the segment objects hold its final bytes, which the last tail may predate
-                self.local.discard(e.path)
-                self.applied.pop(e.path, None)
-            elif cur is not None and cur.objects == e.objects and cur.size == e.size:
-                continue
-            await self._drop_entry(e.path)
-            await trio.to_thread.run_sync(self._create, e.path, e.size)
-            fresh.append(e)
-            changed.append(e.path)
-        if fresh:
-            await self._add_entries(fresh)
+        work: list[tuple[str, appendlog.TailRow | Entry]] = [(t.path, t) for t in plan.tails]
+        work += [(e.path, e) for e, *_ in plan.files]
+        for rel, item in sorted(work, key=lambda w: apply_order(w[0])):
+            keep.add(rel)
+            if await (self._apply_tail(item) if isinstance(item, appendlog.TailRow) else self._apply_file(item)):
+                changed.append(rel)
         for rel in [r for r in list(eng.entries) if r not in keep] + [r for r in list(self.local) if r not in keep]:
-            await self._drop_entry(rel)
-            self.local.discard(rel)
-            self.applied.pop(rel, None)
-            try:
-                os.unlink(hot / rel)
-            except FileNotFoundError:
-                pass
+            await self._remove(rel)
             changed.append(rel)
         marker = eng.state_dir / snap.MARKER
         try:
@@ -174,17 +183,108 @@ class Follower:
             pass
         return changed
 
-    def _create(self, rel: str, size: int) -> None:
-        """A sparse local file of `size` (the old one, if any, replaced: a new inode, no stale blocks)."""
+    async def _apply_tail(self, t: appendlog.TailRow) -> bool:
+        """An active file: new append objects are written in place, in offset order (a reader sees a longer
+        prefix, as on the writer); a file that was not local yet is written whole, then swapped in."""
+        eng = self.eng
+        if t.path in self.local:
+            new = tuple(o for o in t.objects if o.key not in self.applied.get(t.path, set()))
+            if not new and (eng.hot / t.path).stat().st_size == t.size:
+                return False
+            await trio.to_thread.run_sync(self._write_tail, dataclasses.replace(t, objects=new), limiter=eng.limiter)
+            self.applied.setdefault(t.path, set()).update(o.key for o in new)
+            return True
+        tmp, _ = await trio.to_thread.run_sync(self._stage, t.path, t.size)
+        try:
+            await trio.to_thread.run_sync(appendlog.materialise, eng.store, eng.hot, t, tmp, limiter=eng.limiter)
+            if t.path in eng.entries:  # was served from objects: its row goes first, memory at the swap
+                await eng.db(eng.catalog.remove, t.path, [], 0.0)  # a reader never deletes objects: none queued
+            await self._swap(t.path, tmp, None)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.local.add(t.path)
+        self.applied[t.path] = {o.key for o in t.objects}
+        return True
+
+    async def _apply_file(self, e: Entry) -> bool:
+        """A file served from its objects (a sealed segment, a mutable file's blob): new or changed, it gets a
+        new entry on a new sparse local file, registered before the file takes the name."""
+        eng = self.eng
+        cur = eng.entries.get(e.path)
+        if e.path not in self.local and cur is not None and cur.objects == e.objects and cur.size == e.size:
+            return False
+        tmp, ino = await trio.to_thread.run_sync(self._stage, e.path, e.size)
+        try:
+            first = await eng.db(eng.catalog.allocate, 1)
+            row = dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
+                                      state_since=time.time(), file_id=first, ino=ino)
+            await eng.db(eng.catalog.put_many, [row], [], 0.0)  # replaces the path's old row, if any
+            eng.files[row.file_id] = row
+            eng.tiered[row.ino] = row  # the staged inode: nobody reaches it before the swap
+            await self._swap(e.path, tmp, row)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        # sealed since it was a tail: the segment objects hold its final bytes, which the last tail may predate
+        self.local.discard(e.path)
+        self.applied.pop(e.path, None)
+        return True
+
+    async def _swap(self, rel: str, tmp: Path, new: Entry | None) -> None:
+        """Give `rel` to the staged file in one rename, then (no await) point the maps at it. The inode that had
+        the name keeps serving whoever holds it open: its entry lives on as an orphan until the last close."""
+        eng = self.eng
+        old = eng.entries.get(rel)
+        await failpoints.pause("follow.swap")
+        try:
+            old_st = await trio.to_thread.run_sync(_replace, tmp, eng.hot / rel)
+        except BaseException:
+            if new is not None:
+                eng.drop(new)
+            raise
+        if new is not None:
+            eng.entries[rel] = new
+        elif eng.entries.get(rel) is old:
+            eng.entries.pop(rel, None)
+        self._name_gone(rel, old, old_st)
+
+    async def _remove(self, rel: str) -> None:
+        """Gone from the writer's point (retention deleted it): the name goes, its row first; whoever holds the
+        file open keeps reading it, as after an unlink on the writer."""
+        eng = self.eng
+        old = eng.entries.get(rel)
+        if old is not None:
+            await eng.db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
+        old_st = await trio.to_thread.run_sync(_unlink, eng.hot / rel)
+        if eng.entries.get(rel) is old:
+            eng.entries.pop(rel, None)
+        self.local.discard(rel)
+        self.applied.pop(rel, None)
+        self._name_gone(rel, old, old_st)
+
+    def _name_gone(self, rel: str, old: Entry | None, old_st: os.stat_result | None) -> None:
+        """The file that had `rel` lost it: the FUSE layer forgets the name; its entry lives on as an orphan
+        while the file is open (served through its open fds until the last close), else it goes."""
+        held = self.name_gone(rel, old_st) if old_st is not None and self.name_gone is not None else None
+        if old is None or self.eng.entries.get(rel) is old:
+            return
+        if held is not None and old.state is State.TIERED and self.eng.tiered.get(old.ino) is old:
+            self.eng.keep_orphan(old, held)
+        else:
+            self.eng.drop(old)
+
+    def _stage(self, rel: str, size: int) -> tuple[Path, int]:
+        """Blocking: a new sparse file of `size` beside `rel` (not yet its name). Returns it and its st_ino."""
         p = self.eng.hot / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.follow")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            return tmp, os.fstat(fd).st_ino
         finally:
             os.close(fd)
-        os.replace(tmp, p)
 
     def _write_tail(self, row: appendlog.TailRow) -> None:
         fd = os.open(self.eng.hot / row.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -194,31 +294,6 @@ class Follower:
         finally:
             os.close(fd)
         appendlog.materialise(self.eng.store, self.eng.hot, row)
-
-    async def _drop_entry(self, rel: str) -> None:
-        eng = self.eng
-        e = eng.entries.pop(rel, None)
-        if e is None:
-            return
-        eng.drop(e)
-        await eng.db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
-
-    async def _add_entries(self, fresh: list[Entry]) -> None:
-        eng = self.eng
-        first = await eng.db(eng.catalog.allocate, len(fresh))
-        now = time.time()
-        rows = []
-        for i, e in enumerate(fresh):
-            st = os.lstat(eng.hot / e.path)
-            rows.append(dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
-                                            state_since=now, file_id=first + i, ino=st.st_ino))
-        await eng.db(eng.catalog.put_many, rows, [], 0.0)
-        for e in rows:
-            if os.lstat(eng.hot / e.path).st_ino != e.ino:
-                continue
-            eng.files[e.file_id] = e
-            eng.entries[e.path] = e
-            eng.tiered[e.ino] = e
 
     def _invalidate(self, rels: list[str]) -> None:
         """Blocking: drop the kernel's cached names, attributes and pages of changed paths."""
