@@ -276,7 +276,8 @@ def test_a_refresh_swaps_each_file_in_whole(tmp_path, mount_store, cleanup_list,
     """A follower's refresh that replaces a file (an active tail that sealed, now served from its segment
     objects) swaps it in whole: every reader that opens it meanwhile gets the old bytes or the new ones. The refresh
     is held in the middle of the swap (failpoint follow.swap) while the test reads. Before the fix the new, empty
-    sparse copy was in place before its entry was, and readers in that window got zeros."""
+    sparse copy was in place before its entry was, and readers in that window got zeros; and the staged copy
+    was listed under a dot name beside the file."""
     rel = "commitlog/00000000000000000000"
     data = (reference_store / rel).read_bytes()
     end = sealed_commitlog_end(data, len(data))
@@ -306,6 +307,7 @@ def test_a_refresh_swaps_each_file_in_whole(tmp_path, mount_store, cleanup_list,
     def swapped() -> bool:
         """Read it, whatever the follower is doing: done once it serves the sealed segment from its objects."""
         tiered = any(f["path"] == rel and f["state"] == "tiered" for f in status(r)["files"])
+        assert os.listdir(r.mnt / "commitlog") == [rel.split("/")[1]]  # nothing staged shows in a listing
         got = _read_uncached(r.mnt / rel)
         assert got in (old, data), f"a reader got neither the old nor the new bytes ({got.count(0)} zero bytes)"
         return tiered and got == data

@@ -99,6 +99,8 @@ class Follower:
         self.last_refresh = 0.0
         # set by the FUSE layer: a name the daemon removed or gave to another file (the stat of the file that had
         # it); returns an fd held open on that file, or None
+        self.staging = engine.state_dir / "follow-staging"
+        self.staged = 0
         self.name_gone: Callable[[str, os.stat_result], int | None] | None = None
 
     def status(self) -> dict:
@@ -106,6 +108,7 @@ class Follower:
                 "last_refresh": self.last_refresh, "last_error": self.last_error}
 
     async def run(self) -> None:
+        await trio.to_thread.run_sync(self._clear_staging)
         await trio.to_thread.run_sync(self._adopt_from_snapshot)
         while True:
             await trio.sleep(self.every)
@@ -115,6 +118,12 @@ class Follower:
             except (ObjectStoreError, OSError, ValueError) as e:
                 self.last_error = f"{time.strftime('%H:%M:%S')}: {e}"
                 log.warning("follow refresh failed (%s); serving snapshot %d until the next one", e, self.seq)
+
+    def _clear_staging(self) -> None:
+        """Copies a refresh staged and never renamed (the daemon died in between) go."""
+        self.staging.mkdir(mode=0o700, exist_ok=True)
+        for p in self.staging.iterdir():
+            p.unlink()
 
     def _adopt_from_snapshot(self) -> None:
         """Which tails (and their objects) the cache was built with: from the snapshot.db prepare_readonly kept."""
@@ -275,10 +284,11 @@ class Follower:
             self.eng.drop(old)
 
     def _stage(self, rel: str, size: int) -> tuple[Path, int]:
-        """Blocking: a new sparse file of `size` beside `rel` (not yet its name). Returns it and its st_ino."""
-        p = self.eng.hot / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.follow")
+        """Blocking: a new sparse file of `size` that will take `rel`'s name, in the state dir (the same file
+        system, never listed through the mount). Returns it and its st_ino."""
+        (self.eng.hot / rel).parent.mkdir(parents=True, exist_ok=True)
+        self.staged += 1
+        tmp = self.staging / f"{self.staged}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
