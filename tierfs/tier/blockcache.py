@@ -197,6 +197,9 @@ class BlockCache:
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
         self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
+        self.tables = units.TableLRU(int(engine.config["cache.unit_tables_bytes"]))  # loaded table objects
+        self._table_loads: dict[tuple[int, int], trio.Event] = {}  # (file id, generation) -> its load in flight
+        self._bad_tables: set[tuple[int, int]] = set()  # tables refused or found wrong: whole blocks for those
 
     def opened(self, fh: int, e: Entry) -> None:
         """A handle of a tiered file opened: the file has a reader (its buffers live until the last one closes,
@@ -235,6 +238,10 @@ class BlockCache:
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
             missing = self._missing(e, off, end)
+            if missing and not window and self._needs_table(e):
+                waited = True
+                await self._load_table(e, deadline)  # its verification table object first, once
+                continue
             unit_gaps = self._missing_units(e, missing, off, end) if missing and not window else None
             if not missing or unit_gaps == []:
                 data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
@@ -267,8 +274,58 @@ class BlockCache:
                 if not e.is_resident(b) and (fid, gen, b) not in pool]
 
     def _units(self, e: Entry) -> int:
-        """The verification unit a random read of `e` may fetch by, 0 when it has none (lz4c, an older row)."""
-        return e.unit_bytes if e.format == "raw" and len(e.unit_crcs) == 4 * unit_count(e) else 0
+        """The verification unit a random read of `e` may fetch by, 0 when it has no table at hand (lz4c, an older
+        row, a table object not loaded, refused or found wrong)."""
+        return e.unit_bytes if self._table(e) is not None else 0
+
+    def _table(self, e: Entry) -> bytes | None:
+        """The verification table of `e` if it is at hand: inline in an older row, or its object loaded."""
+        if e.format != "raw" or not e.unit_bytes or (e.file_id, e.generation) in self._bad_tables:
+            return None
+        if e.unit_crcs:
+            return e.unit_crcs if len(e.unit_crcs) == 4 * unit_count(e) else None
+        return self.tables.get((e.file_id, e.generation)) if e.unit_ref else None
+
+    def _needs_table(self, e: Entry) -> bool:
+        """Has `e` a table object that is not loaded yet (nor refused)?"""
+        k = (e.file_id, e.generation)
+        return bool(e.unit_ref) and e.format == "raw" and k not in self.tables and k not in self._bad_tables
+
+    async def _load_table(self, e: Entry, deadline: float) -> None:
+        """Fetch the verification table object of `e` into the LRU, checked against its reference (size and
+        crc32c); one load per segment at a time. A refused table is logged with its object and the segment is
+        read by whole blocks from then on; a store error leaves it to the next read."""
+        k = (e.file_id, e.generation)
+        ev = self._table_loads.get(k)
+        if ev is not None:
+            with trio.move_on_at(deadline):
+                await ev.wait()
+            return
+        ev = self._table_loads[k] = trio.Event()
+        key = units.ref_key(e.unit_ref)
+        try:
+            try:
+                key, size, crc = units.parse_ref(e.unit_ref, 4 * unit_count(e), units.table_key(e.objects[0]))
+                data = await self.eng.io(self.eng.store.get, key)
+                why = units.check_table(data, size, crc)
+            except ValueError as err:
+                why = str(err)
+            except ObjectNotFound:
+                why = "it is missing"
+            if why is None:
+                self.eng.stats.unit_table_loads += 1
+                if self._same(e, k[1]):
+                    self.tables.put(k, bytes(data))
+            else:
+                self.eng.stats.unit_tables_refused += 1
+                self._bad_tables.add(k)
+                log.error("verification table object %s of %s is refused (%s): it is read by whole blocks", key,
+                          e.path, why)
+        except ObjectStoreError as err:
+            log.warning("verification table object %s of %s: %s; whole blocks meanwhile", key, e.path, err)
+        finally:
+            del self._table_loads[k]
+            ev.set()
 
     def _missing_units(self, e: Entry, missing: list[int], off: int, end: int) -> list[int] | None:
         """The verification units of [off, end) in `missing` blocks not pooled, or None when the read must fetch
@@ -439,12 +496,13 @@ class BlockCache:
         budget = int(self.eng.config["readahead.budget_bytes"])
         return max(1, min(PREFETCH_GROUP_BYTES, budget // 4) // block_bytes)
 
-    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
+    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int, load: bool = True) -> None:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
         next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
         coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
         holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
-        its CommitLog mapped): their buffers live until the last handle closes. No await in here."""
+        its CommitLog mapped): their buffers live until the last handle closes. A CommitLog whose verification
+        table object is not loaded yet is prefetched once a task has loaded it (`load`). No await in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
         seg = self._commitlog_file_size(root)
@@ -457,6 +515,7 @@ class BlockCache:
         reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
         by_units = bool(eng.config["readahead.named_units"])
         want: dict[int, tuple[Entry, list[int]]] = {}
+        tables: dict[int, Entry] = {}  # CommitLogs whose table object must be loaded first
         last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
         for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
             if phys < 0 or size <= 0:
@@ -467,6 +526,9 @@ class BlockCache:
             c = eng.entries.get(f"{prefix}{base:020d}")
             if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
                 continue  # local (or unknown, or no reader has it open): nothing to fetch
+            if by_units and self._needs_table(c):
+                tables[c.file_id] = c
+                continue
             bb = (by_units and self._units(c)) or c.block_bytes  # the record's verification units, or its blocks
             rel = phys - base
             slot = want.get(c.file_id)
@@ -476,6 +538,8 @@ class BlockCache:
                 if (c.file_id, b) != last:
                     slot[1].append(b)
                     last = (c.file_id, b)
+        if tables and load:
+            eng.start_soon(self._prefetch_named_loaded, cq, bytes(mv), off, list(tables.values()))
         budget = int(eng.config["readahead.budget_bytes"])
         now = time.monotonic()
         if len(self._named) > 1024:
@@ -502,6 +566,14 @@ class BlockCache:
                 eng.stats.named_prefetch_bytes += min((first + n) * (u or c.block_bytes), c.size) - first * (
                     u or c.block_bytes)
                 self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u))
+
+    async def _prefetch_named_loaded(self, cq: Entry, data: bytes, off: int, logs: list[Entry]) -> None:
+        """Load the table objects of CommitLogs a ConsumeQueue page named, then prefetch that page's records."""
+        deadline = trio.current_time() + float(self.eng.config["objectstore.read_timeout_seconds"])
+        for c in logs:
+            if self._needs_table(c):
+                await self._load_table(c, deadline)
+        self._prefetch_named(cq, data, off, load=False)
 
     def _commitlog_file_size(self, root: str) -> int:
         """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
@@ -596,16 +668,37 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _read_units(self, e: Entry, first: int, n: int) -> tuple[list[memoryview], list[Buffer], int | None]:
-        """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store,
-        a view per unit, and the first unit that fails its crc32c (None: all good): one ranged GET and the check
-        in one worker thread."""
+    async def _read_units(self, e: Entry, first: int, n: int, deadline: float
+                          ) -> tuple[list[memoryview], list[Buffer], int | None, int | None]:
+        """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store:
+        (a view per unit, -, None, None) when all pass the table: one ranged GET and the check in one worker thread.
+        The table is untrusted (an object): when a unit fails it, or there is no table at hand any more, the
+        covering blocks are fetched and checked against their own crc32c instead: (a view per block, their
+        buffers, the first bad block or None, the first block). Blocks that pass while a unit failed prove the
+        table wrong: it is logged with its object and the segment is read by whole blocks from then on."""
         u = e.unit_bytes
-        chunk_no = first * u // e.chunk_bytes
-        start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
-        views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
-                                       first, e.unit_crcs, u)
-        return views, [], bad
+        table = self._table(e)
+        if table is None and self._needs_table(e):
+            await self._load_table(e, deadline)  # dropped from the LRU since the read chose units
+            table = self._table(e)
+        if table is not None:
+            chunk_no = first * u // e.chunk_bytes
+            start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
+            views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
+                                           first, table, u)
+            if bad is None:
+                return views, [], None, None
+        b0, b1 = first * u // e.block_bytes, (min((first + n) * u, e.size) - 1) // e.block_bytes
+        views, bufs, bad_block = await self._read_blocks(e, b0, b1 - b0 + 1)
+        if table is not None and bad_block is None:
+            k = (e.file_id, e.generation)
+            self._bad_tables.add(k)
+            self.tables.discard(k)
+            self.eng.stats.unit_tables_refused += 1
+            where = f"object {units.ref_key(e.unit_ref)}" if e.unit_ref else "the catalog's inline table"
+            log.error("verification table (%s) of %s is wrong: unit %d fails it but blocks %d-%d pass their own "
+                      "crc32c; the segment is read by whole blocks from now on", where, e.path, bad, b0, b1)
+        return views, bufs, bad_block, b0
 
     async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool,
                      unit: bool = False) -> None:
@@ -616,13 +709,15 @@ class BlockCache:
         size = e.unit_bytes if unit else e.block_bytes  # of one of the n pieces
         error = None
         t0 = time.monotonic()
+        deadline = trio.current_time() + float(self.eng.config["objectstore.read_timeout_seconds"])
         e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
         prefetch_counted = prefetch
         try:
             for attempt in (1, 2):
                 try:
+                    as_blocks = None  # units fetched as their whole blocks from this one (see _read_units)
                     if unit:
-                        views, bufs, bad = await self._read_units(e, first, n)
+                        views, bufs, bad, as_blocks = await self._read_units(e, first, n, deadline)
                     else:
                         views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
                 except lz4c.Lz4cError as err:
@@ -644,8 +739,10 @@ class BlockCache:
                         if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
                             self.prefetch_inflight -= n * size
                             prefetch_counted = False
-                        if unit:
+                        if unit and as_blocks is None:
                             self._land_units(e, gen, first, views, prefetch)
+                        elif unit:
+                            self._land(e, gen, as_blocks, views, bufs, prefetch, scan)
                         else:
                             self._land(e, gen, first, views, bufs, prefetch, scan, fetch.landed)
                 finally:
@@ -657,13 +754,12 @@ class BlockCache:
                     self.eng.observe("download", time.monotonic() - t0, nbytes)
                     if prefetch:
                         stats.prefetch_bytes += nbytes
-                    if unit:
+                    if unit and as_blocks is None:
                         stats.unit_fetch_bytes += nbytes
                     error = None
                     break
                 stats.corrupt_objects += 1
-                what = f"bytes {bad * e.unit_bytes}+{e.unit_bytes} fail their" if unit else f"block {bad} fails its"
-                error = f"object {key} of {e.path} is corrupt: {what} crc32c"
+                error = f"object {key} of {e.path} is corrupt: block {bad} fails its crc32c"
                 log.error("%s (attempt %d)", error, attempt)
         except Exception as err:  # never let a fetch task take the nursery down
             error = f"object {key} of {e.path}: {type(err).__name__}: {err}"
@@ -859,13 +955,13 @@ class BlockCache:
         if eng.orphans.get(ino) is e:  # unlinked while open: no row to rewrite, the objects may simply go
             del eng.orphans[ino]
             eng.drop(e)
-            await eng.db(eng.catalog.schedule_deletes, e.objects, time.time() + grace)
+            await eng.db(eng.catalog.schedule_deletes, e.all_objects(), time.time() + grace)
             return
         gen = await eng.db(eng.catalog.allocate, 1)
         if eng.tiered.get(ino) is not e:
             return
         row = eng.hot_copy(e, gen)
-        old_keys = e.objects
+        old_keys = e.all_objects()
         await eng.db(eng.catalog.replace, row, old_keys, time.time() + grace, ("cidx",))
         failpoints.hit("tier.rewritten")
         # committed: from here the hot file is the only copy, so the entry leaves `tiered` whatever else changed

@@ -1,0 +1,133 @@
+"""Verification tables as one object per segment (tierfs/tier/units.py), on a real mount: the row holds only a
+reference (crc32c:size:key); the table object is untrusted (a corrupt one is refused, a wrong one that matches its
+reference costs a re-fetch of the whole block, checked against the block's own crc32c: never wrong bytes, never a
+false EIO); it goes with its segment; fsck does not call it an orphan; snapshot rows carry the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from mountutil import wait_for
+from test_datapath import store_4mib  # noqa: F401 - the module fixture: 4 MiB CommitLog segments
+from test_fsck import fsck
+from test_random_units import OPTS, PAGE, random_reads, tiered_and_evicted
+from tierfs.objectstore.posix import PosixObjectStore
+from tierfs.tier import snapshot as snap
+from tierfs.tier import units
+from tierfs.tier.catalog import Entry, State, entry_to_row, row_to_entry
+
+MiB = 1 << 20
+A = "commitlog/00000000000000000000"
+B = "commitlog/00000000000004194304"
+
+
+def table_object(m, rel: str) -> tuple[str, Path, str]:
+    """(key, file in the posix store, reference) of the table object of `rel`, from the catalog."""
+    db = sqlite3.connect(f"file:{m.hot / '.tierfs' / 'catalog.db'}?mode=ro", uri=True)
+    try:
+        (ref,) = db.execute("SELECT unit_ref FROM files WHERE path=?", (rel,)).fetchone()
+    finally:
+        db.close()
+    key = units.ref_key(ref)
+    assert key.endswith(".raw/units"), ref
+    return key, m.hot / ".tierfs" / "objects" / key, ref
+
+
+def test_a_wrong_or_corrupt_table_object_gives_the_right_bytes_by_whole_blocks(mount_store, store_4mib):  # noqa: F811
+    m = mount_store(options=[OPTS])
+    from test_tiering import copy_in
+    copy_in(store_4mib, m.mnt)
+    for rel in (A, B):
+        tiered_and_evicted(m, rel)
+    m.umount()
+    # A: a wrong table that matches its reference (as a bad writer or a tampered bucket and row would make it)
+    key_a, obj_a, _ = table_object(m, A)
+    unit = MiB // 4096 + 5  # a unit of block 1
+    store = PosixObjectStore(m.hot / ".tierfs" / "objects")
+    table = bytearray(store.get(key_a))
+    table[4 * unit] ^= 0x01
+    store.put(key_a, bytes(table))
+    db = sqlite3.connect(str(m.hot / ".tierfs" / "catalog.db"))
+    with db:
+        db.execute("UPDATE files SET unit_ref=? WHERE path=?", (units.make_ref(key_a, bytes(table)), A))
+    db.close()
+    # B: a corrupt table object (its reference no longer matches)
+    key_b, obj_b, _ = table_object(m, B)
+    table = bytearray(obj_b.read_bytes())
+    table[100] ^= 0xFF  # in the content (the posix store's trailer follows it)
+    obj_b.write_bytes(bytes(table))
+    m.mount()
+
+    ref_a, ref_b = (store_4mib / A).read_bytes(), (store_4mib / B).read_bytes()
+    fetched = random_reads(m, ref_a, A, [unit * 4096])  # right bytes, no EIO: the block's own crc32c decides
+    assert MiB <= fetched <= MiB + PAGE, fetched
+    wait_for(lambda: f"verification table (object {key_a}) of {A} is wrong" in m.log_text(), timeout=10,
+             what="a log line naming the wrong table object")
+    assert random_reads(m, ref_a, A, [3 * MiB + 2 * PAGE]) == MiB  # from now on by whole blocks
+    assert random_reads(m, ref_b, B, [MiB + 7 * PAGE, 2 * MiB + 9 * PAGE]) == 2 * MiB
+    wait_for(lambda: f"verification table object {key_b} of {B} is refused" in m.log_text(), timeout=10,
+             what="a log line naming the refused table object")
+    eng = m.status()["totals"]["engine"]
+    assert eng["unit_tables_refused"] == 2 and eng["fetch_errors"] == 0, eng
+    assert m.alive()
+
+
+def test_the_table_object_is_read_lazily_and_goes_with_its_segment(mount_store, store_4mib):  # noqa: F811
+    m = mount_store(options=[OPTS])
+    from test_tiering import copy_in
+    copy_in(store_4mib, m.mnt)
+    for rel in (A, B):
+        tiered_and_evicted(m, rel)
+    key_a, obj_a, ref = table_object(m, A)
+    key_b, obj_b, _ = table_object(m, B)
+    assert len(PosixObjectStore(m.hot / ".tierfs" / "objects").get(key_a)) == 4 * (4 * MiB // 4096)
+    assert m.status()["totals"]["engine"]["unit_table_loads"] == 0  # nothing read yet: nothing loaded
+    ref_a = (store_4mib / A).read_bytes()
+    assert random_reads(m, ref_a, A, [MiB + 3 * PAGE, 2 * MiB + 5 * PAGE]) <= 2 * PAGE  # units, not blocks
+    assert m.status()["totals"]["engine"]["unit_table_loads"] == 1
+    code, rep, _ = fsck(m.mnt)  # the table objects are referenced: no orphan
+    assert code == 0 and rep["clean"], rep
+    os.unlink(m.mnt / A)
+    wait_for(lambda: not obj_a.exists(), timeout=20, what=f"{key_a} deleted with its segment")
+    fd = os.open(m.mnt / B, os.O_WRONLY)  # a changed tiered segment: a new generation, the old objects go
+    try:
+        os.pwrite(fd, b"x" * 16, MiB + 100)
+    finally:
+        os.close(fd)
+    wait_for(lambda: not obj_b.exists(), timeout=20, what=f"{key_b} deleted with its generation")
+    assert m.alive()
+
+
+def test_snapshot_rows_carry_the_table_reference_and_a_bad_one_is_refused():
+    """The row carries 'crc32c:size:key', not the table: a snapshot stays small; rows are untrusted input."""
+    data = os.urandom(3 * 65536 + 1000)
+    key = "sid/seg/commitlog/00000000000000000000/3.raw/000000"
+    table = units.table(data, 512)
+    tkey = units.table_key(key)
+    e = Entry(path="commitlog/00000000000000000000", kind="commitlog", size=len(data), mtime_ns=1,
+              state=State.TIERED, generation=3, chunk_bytes=4 * 65536, block_bytes=65536,
+              crc32c=crc32c.crc32c(data),
+              block_crcs=[crc32c.crc32c(data[i:i + 65536]) for i in range(0, len(data), 65536)],
+              objects=[key], unit_bytes=512, unit_ref=units.make_ref(tkey, table))
+    back = row_to_entry(entry_to_row(e))
+    assert back.unit_ref == e.unit_ref and back.unit_crcs == b"" and len(e.unit_ref) < 80
+    assert back.all_objects() == [key, "sid/seg/commitlog/00000000000000000000/3.raw/units"]
+    snap._check_entry(back, "sid")
+    k, size, crc = units.parse_ref(back.unit_ref, len(table), tkey)
+    assert units.check_table(table, size, crc) is None
+    assert "crc32c" in units.check_table(table[:-4] + b"\0\0\0\0", size, crc)
+    other = "sid/seg/commitlog/00000000000000000000/2.raw/units"
+    for bad, msg in ((dict(unit_ref=units.make_ref(tkey, table[:-4])), "names 1540 bytes; the row needs 1544"),
+                     (dict(unit_ref=units.make_ref(other, table)), "names object"),
+                     (dict(unit_ref="zz:1544:" + tkey), "not 'crc32c:size:key'"),
+                     (dict(unit_ref="nonsense"), "not 'crc32c:size:key'"),
+                     (dict(unit_crcs=table), "both an inline"),
+                     (dict(unit_bytes=3000), "does not divide")):
+        with pytest.raises(ValueError, match=msg):
+            snap._check_entry(dataclasses.replace(back, **bad), "sid")
