@@ -131,3 +131,59 @@ def test_snapshot_rows_carry_the_table_reference_and_a_bad_one_is_refused():
                      (dict(unit_bytes=3000), "does not divide")):
         with pytest.raises(ValueError, match=msg):
             snap._check_entry(dataclasses.replace(back, **bad), "sid")
+
+
+@pytest.fixture(scope="module")
+def store_8_topics(tmp_path_factory) -> Path:
+    """8 topics of equal traffic, one queue each: a topic's records lie about 9 KiB apart in the CommitLog. Small
+    ConsumeQueue files (600 units, three pages) so the first of each seals and tiers."""
+    import subprocess
+    import sys
+
+    from test_store_mount import PRODUCER
+    ref = tmp_path_factory.mktemp("ref8")
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(4 * MiB), "--cq-size",
+                        "12000", "--index-slots", "500", "--index-items", "2000", "--messages", "8000",
+                        "--body-size", "1000", "--topics", "8", "--queues", "1", "--topic-prefix", "T"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return ref
+
+
+def test_named_prefetch_coalesces_nearby_records_into_few_gets(mount_store, store_8_topics):
+    """A ConsumeQueue page names ~200 records ~9 KiB apart: with readahead.named_gap_bytes they come in a few
+    ranged GETs of up to 1 MiB (before: one GET per record), and the consumer's reads of them wait for nothing
+    more. Fails on main: one GET per record (and no such key)."""
+    import struct
+
+    from mountutil import evict
+    m = mount_store(options=[OPTS + ",readahead.named_units=true,readahead.named_gap_bytes=64KiB"])
+    from test_tiering import copy_in
+    copy_in(store_8_topics, m.mnt)
+    cq = "consumequeue/T0/0/00000000000000000000"
+    for rel in (A, cq):
+        tiered_and_evicted(m, rel)
+    evict(m.mnt / cq)
+    ref = (store_8_topics / A).read_bytes()
+    page = (store_8_topics / cq).read_bytes()[PAGE:2 * PAGE]
+    records = [(phys, n) for phys, n, _ in struct.iter_unpack(">qiq", page[-PAGE % 20:][:PAGE // 20 * 20])
+               if phys + n <= 4 * MiB]
+    assert len(records) > 150, len(records)
+    fd = os.open(m.mnt / A, os.O_RDONLY)  # the consumer's CommitLog open (the broker keeps it mapped)
+    qfd = os.open(m.mnt / cq, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(qfd, 0, 0, os.POSIX_FADV_RANDOM)
+        before = m.status()["totals"]["engine"]
+        assert os.pread(qfd, PAGE, PAGE) == (store_8_topics / cq).read_bytes()[PAGE:2 * PAGE]
+        for phys, n in records:
+            assert os.pread(fd, n, phys) == ref[phys:phys + n], phys
+        after = m.status()["totals"]["engine"]
+    finally:
+        os.close(qfd)
+        os.close(fd)
+    gets = after["fetches"] - before["fetches"]
+    span = records[-1][0] + records[-1][1] - records[0][0]
+    assert gets <= 2 + span // MiB + 2, f"{gets} GETs for {len(records)} records over {span} bytes"
+    assert after["fetch_bytes"] - before["fetch_bytes"] <= span + 2 * MiB
+    assert after["fetch_errors"] == 0 and m.alive()

@@ -211,6 +211,10 @@ SCHEMA: tuple[Key, ...] = (
         "the CommitLog records it names: the fewest bytes, about one GET per record. false: their whole blocks, in "
         "GETs of up to 16 MiB: more bytes, far fewer requests (a lagging consumer of a 5% topic: 4.6x the bytes, "
         "a fraction of the GETs)."),
+    Key("readahead.named_gap_bytes", "size", 0,
+        "With readahead.named_units: CommitLog records a ConsumeQueue page names that lie at most this far apart are "
+        "fetched by one ranged GET (the gap's bytes too, checked and dropped), up to 1 MiB a GET: fewer requests for "
+        "more bytes. 0: only records in adjacent units share a GET.", minimum=0),
     Key("broker.max_index_num", "int", 20_000_000, "The broker's maxIndexNum (IndexFile seal rule).", minimum=1),
     Key("broker.max_hash_slot_num", "int", 5_000_000, "The broker's maxHashSlotNum (IndexFile seal rule).",
         minimum=1),

@@ -58,6 +58,7 @@ NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
+NAMED_GET_BYTES = 1 << 20  # a named prefetch's coalesced GET at most (records of one ConsumeQueue page)
 UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
 
 
@@ -103,16 +104,19 @@ def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryvie
 
 
 def _get_units_checked(store: ObjectStore, key: str, start: int, length: int, first: int, table: bytes,
-                       unit: int) -> tuple[list[memoryview], int | None]:
+                       unit: int, only: list[int] | None = None) -> tuple[list[memoryview | None], int | None]:
     """Blocking: one ranged GET of verification units first, first+1, ... of a raw chunk object, and their crc32c
     check: (a view per unit, the first bad unit or None). Each unit of a multi-unit GET is copied out, so a pooled
-    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps)."""
+    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps); of a GET coalesced over gaps only
+    the units in `only` (the others' views are None)."""
     data = store.get_range(key, start, length)
     bad = units.first_bad(data, first, table, unit)
     mv = memoryview(data)
     if length <= unit:
         return [mv], bad
-    return [memoryview(bytes(mv[p:p + unit])) for p in range(0, length, unit)], bad
+    keep = set(only) if only is not None else None
+    return [memoryview(bytes(mv[p:p + unit])) if keep is None or first + i in keep else None
+            for i, p in enumerate(range(0, length, unit))], bad
 
 
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
@@ -128,6 +132,23 @@ def unit_runs(e: Entry, wanted: list[int]) -> list[tuple[int, int]]:
     """Group verification units into (first, count) runs that stay inside one chunk object, UNITS_PER_GET at most
     (a random read's GET stays small)."""
     return _runs(wanted, e.chunk_bytes // e.unit_bytes, UNITS_PER_GET)
+
+
+def coalesce(runs: list[tuple[int, int]], gap: int, most: int, per_chunk: int) -> list[tuple]:
+    """Merge (first, count) runs of units whose gaps are at most `gap` units into one GET each (`most` units
+    long at most, none crossing a multiple of per_chunk): (first, count) for a run alone, (first, count, the units
+    asked for) for a merged one, whose gap units are fetched and dropped."""
+    out: list[tuple] = []
+    for first, n in runs:
+        if out:
+            f0, n0, *only = out[-1]
+            if (first - (f0 + n0) <= gap and first + n - f0 <= most
+                    and f0 // per_chunk == (first + n - 1) // per_chunk):
+                asked = only[0] if only else list(range(f0, f0 + n0))
+                out[-1] = (f0, first + n - f0, asked + list(range(first, first + n)))
+                continue
+        out.append((first, n))
+    return out
 
 
 def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
@@ -465,11 +486,14 @@ class BlockCache:
             if f.error:
                 raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool, unit: bool = False) -> Fetch:
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool, unit: bool = False,
+                     only: list[int] | None = None) -> Fetch:
+        """Start one ranged GET of blocks (or `unit`s) [first, first+n); with `only`, a GET coalesced over gaps:
+        only those units are claimed and kept (the gap bytes are checked and dropped)."""
         f = Fetch()
-        for b in range(first, first + n):
+        for b in only if only is not None else range(first, first + n):
             self.inflight[(e.file_id, e.generation, ~b if unit else b)] = f
-        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan, unit)
+        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan, unit, only)
         return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
@@ -529,18 +553,23 @@ class BlockCache:
             if by_units and self._needs_table(c):
                 tables[c.file_id] = c
                 continue
-            bb = (by_units and self._units(c)) or c.block_bytes  # the record's verification units, or its blocks
+            u = by_units and self._units(c)
+            bb = u or c.block_bytes  # the record's verification units, or its blocks
             rel = phys - base
             slot = want.get(c.file_id)
             if slot is None:
                 slot = want[c.file_id] = (c, [])
-            for b in range(rel // bb, min(rel + size - 1, c.size - 1) // bb + 1):
+            lo, hi = rel, min(rel + size, c.size)
+            if u and u < PAGE:  # the kernel reads whole pages: the units of the record's pages
+                lo, hi = lo - lo % PAGE, min(-(-hi // PAGE) * PAGE, c.size)
+            for b in range(lo // bb, (hi - 1) // bb + 1):
                 if (c.file_id, b) != last:
                     slot[1].append(b)
                     last = (c.file_id, b)
         if tables and load:
             eng.start_soon(self._prefetch_named_loaded, cq, bytes(mv), off, list(tables.values()))
         budget = int(eng.config["readahead.budget_bytes"])
+        gap = int(eng.config["readahead.named_gap_bytes"])
         now = time.monotonic()
         if len(self._named) > 1024:
             self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
@@ -553,19 +582,19 @@ class BlockCache:
                 todo = [k for k in pieces if not c.is_resident(k // per) and (fid, gen, k // per) not in inflight
                         and (fid, gen, k // per) not in pool and (fid, gen, ~k) not in inflight
                         and (fid, gen, ~k) not in pool]
-                runs = unit_runs(c, todo)
+                runs = coalesce(unit_runs(c, todo), gap // u, max(1, NAMED_GET_BYTES // u), c.chunk_bytes // u)
             else:
                 todo = [b for b in pieces if not c.is_resident(b) and (fid, gen, b) not in inflight
                         and (fid, gen, b) not in pool]
                 runs = block_runs(c, todo, self._group_blocks(c.block_bytes))
-            for first, n in runs:
+            for first, n, *only in runs:
                 nbytes = n * (u or c.block_bytes)
                 if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                     return
                 self.prefetch_inflight += nbytes
                 eng.stats.named_prefetch_bytes += min((first + n) * (u or c.block_bytes), c.size) - first * (
                     u or c.block_bytes)
-                self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u))
+                self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u), only=only[0] if only else None)
 
     async def _prefetch_named_loaded(self, cq: Entry, data: bytes, off: int, logs: list[Entry]) -> None:
         """Load the table objects of CommitLogs a ConsumeQueue page named, then prefetch that page's records."""
@@ -668,8 +697,8 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _read_units(self, e: Entry, first: int, n: int, deadline: float
-                          ) -> tuple[list[memoryview], list[Buffer], int | None, int | None]:
+    async def _read_units(self, e: Entry, first: int, n: int, deadline: float, only: list[int] | None = None
+                          ) -> tuple[list[memoryview | None], list[Buffer], int | None, int | None]:
         """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store:
         (a view per unit, -, None, None) when all pass the table: one ranged GET and the check in one worker thread.
         The table is untrusted (an object): when a unit fails it, or there is no table at hand any more, the
@@ -685,7 +714,7 @@ class BlockCache:
             chunk_no = first * u // e.chunk_bytes
             start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
             views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
-                                           first, table, u)
+                                           first, table, u, only)
             if bad is None:
                 return views, [], None, None
         b0, b1 = first * u // e.block_bytes, (min((first + n) * u, e.size) - 1) // e.block_bytes
@@ -701,7 +730,7 @@ class BlockCache:
         return views, bufs, bad_block, b0
 
     async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool,
-                     unit: bool = False) -> None:
+                     unit: bool = False, only: list[int] | None = None) -> None:
         """Fetch blocks [first, first+n), or with `unit` verification units [first, first+n), into the pool."""
         stats = self.eng.stats
         gen = e.generation
@@ -717,7 +746,7 @@ class BlockCache:
                 try:
                     as_blocks = None  # units fetched as their whole blocks from this one (see _read_units)
                     if unit:
-                        views, bufs, bad, as_blocks = await self._read_units(e, first, n, deadline)
+                        views, bufs, bad, as_blocks = await self._read_units(e, first, n, deadline, only)
                     else:
                         views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
                 except lz4c.Lz4cError as err:
@@ -733,14 +762,15 @@ class BlockCache:
                     error = f"object {key} of {e.path}: {err}"
                     self.eng.store_down_since = self.eng.store_down_since or time.time()
                     break
-                nbytes = sum(len(v) for v in views)
+                nbytes = sum(len(v) for v in views) if not unit or as_blocks is not None else (
+                    min((first + n) * size, e.size) - first * size)  # the GET's bytes, gaps included
                 try:
                     if bad is None:
                         if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
                             self.prefetch_inflight -= n * size
                             prefetch_counted = False
                         if unit and as_blocks is None:
-                            self._land_units(e, gen, first, views, prefetch)
+                            self._land_units(e, gen, first, views, prefetch, only)
                         elif unit:
                             self._land(e, gen, as_blocks, views, bufs, prefetch, scan)
                         else:
@@ -820,12 +850,16 @@ class BlockCache:
         elif todo:
             self.eng.stats.memory_only_bytes += nbytes
 
-    def _land_units(self, e: Entry, gen: int, first: int, views: list[memoryview], prefetch: bool) -> None:
-        """Verified units arrive: into the pool only (the hot file keeps whole blocks). No await in here."""
+    def _land_units(self, e: Entry, gen: int, first: int, views: list[memoryview | None], prefetch: bool,
+                    only: list[int] | None = None) -> None:
+        """Verified units arrive: into the pool only (the hot file keeps whole blocks); of a coalesced GET only
+        those asked for (`only`; the views of the others are None). No await in here."""
         if self._same(e, gen):
             for i, view in enumerate(views):
-                self.pool.put((e.file_id, gen, ~(first + i)), view, unread=prefetch, reserve=self.prefetch_inflight)
-            self.eng.stats.memory_only_bytes += sum(len(v) for v in views)
+                if view is not None:
+                    self.pool.put((e.file_id, gen, ~(first + i)), view, unread=prefetch,
+                                  reserve=self.prefetch_inflight)
+            self.eng.stats.memory_only_bytes += sum(len(v) for v in views if v is not None)
 
     def _keep_locally(self, nbytes: int, scan: bool) -> bool:
         """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the
