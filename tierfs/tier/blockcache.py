@@ -252,15 +252,15 @@ class BlockCache:
         window = stream.on_read(off, end)
         if window and self._named and time.monotonic() - self._named.get(e.file_id, -60.0) < NAMED_HOLD_SECONDS:
             window = 0  # a consumer's records, named by its ConsumeQueue and prefetched: no blind read-ahead
-        waited = False
+        waited = tried_table = False
         deadline = trio.current_time() + float(eng.config["objectstore.read_timeout_seconds"])
         bb = e.block_bytes
         for _ in range(8):
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
             missing = self._missing(e, off, end)
-            if missing and not window and self._needs_table(e):
-                waited = True
+            if missing and not window and not tried_table and self._needs_table(e):
+                waited = tried_table = True  # a load that failed (store error) leaves this read to whole blocks
                 await self._load_table(e, deadline)  # its verification table object first, once
                 continue
             unit_gaps = self._missing_units(e, missing, off, end) if missing and not window else None
