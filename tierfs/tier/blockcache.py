@@ -110,13 +110,18 @@ def _get_units_checked(store: ObjectStore, key: str, start: int, length: int, fi
     unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps); of a GET coalesced over gaps only
     the units in `only` (the others' views are None)."""
     data = store.get_range(key, start, length)
-    bad = units.first_bad(data, first, table, unit)
+    return _split_units(data, first, unit, only), units.first_bad(data, first, table, unit)
+
+
+def _split_units(data: bytes, first: int, unit: int, only: list[int] | None) -> list[memoryview | None]:
+    """A view per unit of `data` (units first, first+1, ...), each copied out of a multi-unit GET; None for the
+    units not in `only` (the gaps of a coalesced GET)."""
     mv = memoryview(data)
-    if length <= unit:
-        return [mv], bad
+    if len(mv) <= unit:
+        return [mv]
     keep = set(only) if only is not None else None
     return [memoryview(bytes(mv[p:p + unit])) if keep is None or first + i in keep else None
-            for i, p in enumerate(range(0, length, unit))], bad
+            for i, p in enumerate(range(0, len(mv), unit))]
 
 
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
@@ -252,17 +257,13 @@ class BlockCache:
         window = stream.on_read(off, end)
         if window and self._named and time.monotonic() - self._named.get(e.file_id, -60.0) < NAMED_HOLD_SECONDS:
             window = 0  # a consumer's records, named by its ConsumeQueue and prefetched: no blind read-ahead
-        waited = tried_table = False
+        waited = False
         deadline = trio.current_time() + float(eng.config["objectstore.read_timeout_seconds"])
         bb = e.block_bytes
         for _ in range(8):
             if eng.tiered.get(ino) is not e:
                 return os.pread(fh, end - off, off)  # rewritten meanwhile: now fully local
             missing = self._missing(e, off, end)
-            if missing and not window and not tried_table and self._needs_table(e):
-                waited = tried_table = True  # a load that failed (store error) leaves this read to whole blocks
-                await self._load_table(e, deadline)  # its verification table object first, once
-                continue
             unit_gaps = self._missing_units(e, missing, off, end) if missing and not window else None
             if not missing or unit_gaps == []:
                 data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
@@ -312,17 +313,25 @@ class BlockCache:
         k = (e.file_id, e.generation)
         return bool(e.unit_ref) and e.format == "raw" and k not in self.tables and k not in self._bad_tables
 
+    def _begin_table_load(self, e: Entry) -> trio.Event:
+        """The load of `e`'s table object in flight (started now if none is): set when it ended. No await."""
+        k = (e.file_id, e.generation)
+        ev = self._table_loads.get(k)
+        if ev is None:
+            ev = self._table_loads[k] = trio.Event()
+            self.eng.start_soon(self._table_loader, e, ev)
+        return ev
+
     async def _load_table(self, e: Entry, deadline: float) -> None:
+        """Wait (within the read deadline) for `e`'s table object to be loaded, starting its load if needed."""
+        with trio.move_on_at(deadline):
+            await self._begin_table_load(e).wait()
+
+    async def _table_loader(self, e: Entry, ev: trio.Event) -> None:
         """Fetch the verification table object of `e` into the LRU, checked against its reference (size and
         crc32c); one load per segment at a time. A refused table is logged with its object and the segment is
         read by whole blocks from then on; a store error leaves it to the next read."""
         k = (e.file_id, e.generation)
-        ev = self._table_loads.get(k)
-        if ev is not None:
-            with trio.move_on_at(deadline):
-                await ev.wait()
-            return
-        ev = self._table_loads[k] = trio.Event()
         key = units.ref_key(e.unit_ref)
         try:
             try:
@@ -342,8 +351,9 @@ class BlockCache:
                 self._bad_tables.add(k)
                 log.error("verification table object %s of %s is refused (%s): it is read by whole blocks", key,
                           e.path, why)
-        except ObjectStoreError as err:
-            log.warning("verification table object %s of %s: %s; whole blocks meanwhile", key, e.path, err)
+        except Exception as err:  # a store error (or any other): never let a load take the nursery down
+            log.warning("verification table object %s of %s: %s: %s; whole blocks meanwhile", key, e.path,
+                        type(err).__name__, err)
         finally:
             del self._table_loads[k]
             ev.set()
@@ -351,7 +361,7 @@ class BlockCache:
     def _missing_units(self, e: Entry, missing: list[int], off: int, end: int) -> list[int] | None:
         """The verification units of [off, end) in `missing` blocks not pooled, or None when the read must fetch
         whole blocks (no table, or a block of it is being fetched whole: that fetch is waited for)."""
-        u = self._units(e)
+        u = self._units(e) or (e.unit_bytes if self._needs_table(e) else 0)  # a table object loads with the units
         if not u:
             return None
         fid, gen, bb, pool, inflight = e.file_id, e.generation, e.block_bytes, self.pool, self.inflight
@@ -707,14 +717,24 @@ class BlockCache:
         table wrong: it is logged with its object and the segment is read by whole blocks from then on."""
         u = e.unit_bytes
         table = self._table(e)
+        chunk_no = first * u // e.chunk_bytes
+        key = e.objects[chunk_no]
+        start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
+        bad: int | None = None
         if table is None and self._needs_table(e):
-            await self._load_table(e, deadline)  # dropped from the LRU since the read chose units
+            # not loaded yet (or dropped from the LRU): the table object and the units at once, one round trip
+            loading = self._begin_table_load(e)
+            data = await self.eng.io(self.eng.store.get_range, key, start, length)
+            with trio.move_on_at(deadline):
+                await loading.wait()
             table = self._table(e)
-        if table is not None:
-            chunk_no = first * u // e.chunk_bytes
-            start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
-            views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
-                                           first, table, u, only)
+            if table is not None:
+                bad = units.first_bad(data, first, table, u)
+                if bad is None:
+                    return _split_units(data, first, u, only), [], None, None
+        elif table is not None:
+            views, bad = await self.eng.io(_get_units_checked, self.eng.store, key, start, length, first, table,
+                                           u, only)
             if bad is None:
                 return views, [], None, None
         b0, b1 = first * u // e.block_bytes, (min((first + n) * u, e.size) - 1) // e.block_bytes
