@@ -222,6 +222,7 @@ class BlockCache:
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
+        self._peeked: dict[int, float] = {}  # ... named by a pinned page (no prefetch): random reads by blocks
         self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
         self.tables = units.TableLRU(int(engine.config["cache.unit_tables_bytes"]))  # loaded table objects
         self._table_loads: dict[tuple[int, int], trio.Event] = {}  # (file id, generation) -> its load in flight
@@ -271,8 +272,10 @@ class BlockCache:
                     stream.consumed(b)
                 if window:
                     self._prefetch(e, stream, (end - 1) // bb + 1, window)
-                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT and not in_pinned(e, off, end):
-                    self._prefetch_named(e, data, off)  # not a peek at a pinned page (broker start, cleaning)
+                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT:
+                    # a pinned page (a peek at broker start or by cleaning, or a consumer's first page) prefetches
+                    # nothing, but the CommitLogs it names are still marked as a consumer's (whole blocks)
+                    self._prefetch_named(e, data, off, fetch=not in_pinned(e, off, end))
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
@@ -360,10 +363,14 @@ class BlockCache:
 
     def _missing_units(self, e: Entry, missing: list[int], off: int, end: int) -> list[int] | None:
         """The verification units of [off, end) in `missing` blocks not pooled, or None when the read must fetch
-        whole blocks (no table, or a block of it is being fetched whole: that fetch is waited for)."""
+        whole blocks (no table; a block of it is being fetched whole: that fetch is waited for; or a ConsumeQueue
+        named the file's records lately and readahead.named_units is off: a consumer's next records are in the
+        same blocks, one GET per record would cost far more than the bytes saved)."""
         u = self._units(e) or (e.unit_bytes if self._needs_table(e) else 0)  # a table object loads with the units
-        if not u:
-            return None
+        if not u or ((self._named or self._peeked) and not self.eng.config["readahead.named_units"] and
+                     time.monotonic() - max(self._named.get(e.file_id, -60.0), self._peeked.get(e.file_id, -60.0))
+                     < NAMED_HOLD_SECONDS):
+            return None  # none, or a consumer's records (a ConsumeQueue named them): they cluster in blocks
         fid, gen, bb, pool, inflight = e.file_id, e.generation, e.block_bytes, self.pool, self.inflight
         out = []
         for b in missing:
@@ -530,13 +537,16 @@ class BlockCache:
         budget = int(self.eng.config["readahead.budget_bytes"])
         return max(1, min(PREFETCH_GROUP_BYTES, budget // 4) // block_bytes)
 
-    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int, load: bool = True) -> None:
+    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int, load: bool = True,
+                        fetch: bool = True) -> None:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
         next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
         coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
         holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
         its CommitLog mapped): their buffers live until the last handle closes. A CommitLog whose verification
-        table object is not loaded yet is prefetched once a task has loaded it (`load`). No await in here."""
+        table object is not loaded yet is prefetched once a task has loaded it (`load`). Without `fetch`, the
+        CommitLogs named are only marked (a consumer's: random reads of them fetch whole blocks, see
+        _missing_units). No await in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
         seg = self._commitlog_file_size(root)
@@ -576,11 +586,17 @@ class BlockCache:
                 if (c.file_id, b) != last:
                     slot[1].append(b)
                     last = (c.file_id, b)
+        now = time.monotonic()
+        if not fetch:  # only marked: their generic read-ahead stays (self._named would hold it off)
+            if len(self._peeked) > 1024:
+                self._peeked = {k: t for k, t in self._peeked.items() if now - t < NAMED_HOLD_SECONDS}
+            for c in [c for c, _ in want.values()] + list(tables.values()):
+                self._peeked[c.file_id] = now
+            return
         if tables and load:
             eng.start_soon(self._prefetch_named_loaded, cq, bytes(mv), off, list(tables.values()))
         budget = int(eng.config["readahead.budget_bytes"])
         gap = int(eng.config["readahead.named_gap_bytes"])
-        now = time.monotonic()
         if len(self._named) > 1024:
             self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
         for c, pieces in want.values():
