@@ -384,7 +384,7 @@ def _snapshot_db(path: Path, files: list[tuple], tree: list[tuple]) -> None:
     db.executescript(snap.SCHEMA)
     cols = snap.COLUMNS + snap._EXTRA_COLS
     if files and len(files[0]) < len(cols):  # rows as snapshots written before verification-unit tables
-        cols = tuple(c for c in cols if c not in ("unit_bytes", "unit_crcs"))
+        cols = tuple(c for c in cols if c not in ("unit_bytes", "unit_crcs", "unit_ref"))
     db.executemany(f"INSERT INTO snapshot_files ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})", files)
     db.executemany("INSERT INTO snapshot_tree VALUES (?, ?, ?, ?, ?, ?, ?)", tree)
     db.commit()

@@ -195,8 +195,12 @@ SCHEMA: tuple[Key, ...] = (
     Key("cache.verify_bytes", "size", 0,
         "Finer crc32c unit recorded at upload (divides cache.block_bytes, e.g. 4KiB): a random read of an evicted "
         "raw segment then fetches and checks only the units it touches instead of whole blocks. The table (4 bytes "
-        "per unit: 1 MiB per tiered GiB at 4KiB) is kept in the catalog, in the daemon's memory and in every catalog "
-        "snapshot, hence off by default. 0: whole blocks only.", minimum=0),
+        "per unit: 1 MiB per tiered GiB at 4KiB) is one object per segment beside its chunks, referenced by the "
+        "catalog row and loaded when the segment is read (cache.unit_tables_bytes). 0: whole blocks only.",
+        minimum=0),
+    Key("cache.unit_tables_bytes", "size", 64 << 20,
+        "Memory for the verification tables (cache.verify_bytes) of segments being read, least recently used "
+        "dropped first; a dropped table is fetched again when its segment is read by units.", minimum=1 << 16),
     Key("readahead.initial_blocks", "int", 2, "Read-ahead window when a stream starts sequential.", minimum=0),
     Key("readahead.batch_blocks", "int", 2, "Window growth per sequential hit (additive increase).", minimum=1),
     Key("readahead.max_blocks", "int", 64, "Largest read-ahead window per stream.", minimum=1),
@@ -207,6 +211,10 @@ SCHEMA: tuple[Key, ...] = (
         "the CommitLog records it names: the fewest bytes, about one GET per record. false: their whole blocks, in "
         "GETs of up to 16 MiB: more bytes, far fewer requests (a lagging consumer of a 5% topic: 4.6x the bytes, "
         "a fraction of the GETs)."),
+    Key("readahead.named_gap_bytes", "size", 0,
+        "With readahead.named_units: CommitLog records a ConsumeQueue page names that lie at most this far apart are "
+        "fetched by one ranged GET (the gap's bytes too, checked and dropped), up to 1 MiB a GET: fewer requests for "
+        "more bytes. 0: only records in adjacent units share a GET.", minimum=0),
     Key("broker.max_index_num", "int", 20_000_000, "The broker's maxIndexNum (IndexFile seal rule).", minimum=1),
     Key("broker.max_hash_slot_num", "int", 5_000_000, "The broker's maxHashSlotNum (IndexFile seal rule).",
         minimum=1),

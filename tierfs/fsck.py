@@ -53,7 +53,7 @@ from tierfs.tier.catalog import _COLS, Catalog, Entry, State
 EXIT_CLEAN, EXIT_DAMAGE, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
 STATE_DIR = ".tierfs"
 _READ_PIECE = 8 << 20  # largest single GET while verifying
-_SEG_KEY = re.compile(r"^(?P<path>.+)/(?P<gen>\d+)\.(?P<fmt>raw|lz4c)(?:/(?P<chunk>\d{6}))?$")
+_SEG_KEY = re.compile(r"^(?P<path>.+)/(?P<gen>\d+)\.(?P<fmt>raw|lz4c)(?:/(?P<chunk>\d{6}|units))?$")
 
 
 class UsageError(Exception):
@@ -458,7 +458,7 @@ class Checker:
         return self.t.mounted and snap.jobs_running and m["fmt"] == "lz4c" and gen == e.generation
 
     def _orphan_keys(self, snap: Snapshot) -> set[str]:
-        referenced = {k for e in snap.rows.values() for k in e.objects}
+        referenced = {k for e in snap.rows.values() for k in e.all_objects()}
         return {k for k in self.listing if k not in referenced and k not in snap.pending
                 and k not in snap.artifact_keys and k not in snap.job_keys and not self._in_flight(k, snap)}
 
@@ -637,7 +637,7 @@ class Checker:
             self.store.abort_multipart(f.key, f.upload_id)
             f.repaired = f"aborted multipart upload {f.upload_id} of {f.key}"
         elif f.kind == "row_without_hot_file":
-            cat.remove(e.path, e.objects, time.time(), artifacts=("cidx",))
+            cat.remove(e.path, e.all_objects(), time.time(), artifacts=("cidx",))
             f.repaired = (f"dropped the catalog row of {e.path}; its {len(e.objects)} objects are queued for "
                           f"deletion at the next mount")
         elif f.kind in ("false_resident", "bad_resident_block"):

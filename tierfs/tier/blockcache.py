@@ -58,6 +58,7 @@ NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
+NAMED_GET_BYTES = 1 << 20  # a named prefetch's coalesced GET at most (records of one ConsumeQueue page)
 UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
 
 
@@ -103,16 +104,24 @@ def _get_checked(store: ObjectStore, key: str, start: int, views: list[memoryvie
 
 
 def _get_units_checked(store: ObjectStore, key: str, start: int, length: int, first: int, table: bytes,
-                       unit: int) -> tuple[list[memoryview], int | None]:
+                       unit: int, only: list[int] | None = None) -> tuple[list[memoryview | None], int | None]:
     """Blocking: one ranged GET of verification units first, first+1, ... of a raw chunk object, and their crc32c
     check: (a view per unit, the first bad unit or None). Each unit of a multi-unit GET is copied out, so a pooled
-    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps)."""
+    unit holds its own 4 KiB, not the whole GET (the pool counts what it keeps); of a GET coalesced over gaps only
+    the units in `only` (the others' views are None)."""
     data = store.get_range(key, start, length)
-    bad = units.first_bad(data, first, table, unit)
+    return _split_units(data, first, unit, only), units.first_bad(data, first, table, unit)
+
+
+def _split_units(data: bytes, first: int, unit: int, only: list[int] | None) -> list[memoryview | None]:
+    """A view per unit of `data` (units first, first+1, ...), each copied out of a multi-unit GET; None for the
+    units not in `only` (the gaps of a coalesced GET)."""
     mv = memoryview(data)
-    if length <= unit:
-        return [mv], bad
-    return [memoryview(bytes(mv[p:p + unit])) for p in range(0, length, unit)], bad
+    if len(mv) <= unit:
+        return [mv]
+    keep = set(only) if only is not None else None
+    return [memoryview(bytes(mv[p:p + unit])) if keep is None or first + i in keep else None
+            for i, p in enumerate(range(0, len(mv), unit))]
 
 
 def _get_decoded_checked(store: ObjectStore, key: str, footer: "lz4c.Footer", first: int, n: int, crcs: list[int],
@@ -128,6 +137,23 @@ def unit_runs(e: Entry, wanted: list[int]) -> list[tuple[int, int]]:
     """Group verification units into (first, count) runs that stay inside one chunk object, UNITS_PER_GET at most
     (a random read's GET stays small)."""
     return _runs(wanted, e.chunk_bytes // e.unit_bytes, UNITS_PER_GET)
+
+
+def coalesce(runs: list[tuple[int, int]], gap: int, most: int, per_chunk: int) -> list[tuple]:
+    """Merge (first, count) runs of units whose gaps are at most `gap` units into one GET each (`most` units
+    long at most, none crossing a multiple of per_chunk): (first, count) for a run alone, (first, count, the units
+    asked for) for a merged one, whose gap units are fetched and dropped."""
+    out: list[tuple] = []
+    for first, n in runs:
+        if out:
+            f0, n0, *only = out[-1]
+            if (first - (f0 + n0) <= gap and first + n - f0 <= most
+                    and f0 // per_chunk == (first + n - 1) // per_chunk):
+                asked = only[0] if only else list(range(f0, f0 + n0))
+                out[-1] = (f0, first + n - f0, asked + list(range(first, first + n)))
+                continue
+        out.append((first, n))
+    return out
 
 
 def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
@@ -196,7 +222,11 @@ class BlockCache:
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
+        self._peeked: dict[int, float] = {}  # ... named by a pinned page (no prefetch): random reads by blocks
         self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
+        self.tables = units.TableLRU(int(engine.config["cache.unit_tables_bytes"]))  # loaded table objects
+        self._table_loads: dict[tuple[int, int], trio.Event] = {}  # (file id, generation) -> its load in flight
+        self._bad_tables: set[tuple[int, int]] = set()  # tables refused or found wrong: whole blocks for those
 
     def opened(self, fh: int, e: Entry) -> None:
         """A handle of a tiered file opened: the file has a reader (its buffers live until the last one closes,
@@ -242,8 +272,10 @@ class BlockCache:
                     stream.consumed(b)
                 if window:
                     self._prefetch(e, stream, (end - 1) // bb + 1, window)
-                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT and not in_pinned(e, off, end):
-                    self._prefetch_named(e, data, off)  # not a peek at a pinned page (broker start, cleaning)
+                if e.kind == Kind.CONSUMEQUEUE.value and end - off >= CQ_UNIT:
+                    # a pinned page (a peek at broker start or by cleaning, or a consumer's first page) prefetches
+                    # nothing, but the CommitLogs it names are still marked as a consumer's (whole blocks)
+                    self._prefetch_named(e, data, off, fetch=not in_pinned(e, off, end))
                 if waited:
                     eng.stats.reads_waited += 1
                 else:
@@ -267,15 +299,78 @@ class BlockCache:
                 if not e.is_resident(b) and (fid, gen, b) not in pool]
 
     def _units(self, e: Entry) -> int:
-        """The verification unit a random read of `e` may fetch by, 0 when it has none (lz4c, an older row)."""
-        return e.unit_bytes if e.format == "raw" and len(e.unit_crcs) == 4 * unit_count(e) else 0
+        """The verification unit a random read of `e` may fetch by, 0 when it has no table at hand (lz4c, an older
+        row, a table object not loaded, refused or found wrong)."""
+        return e.unit_bytes if self._table(e) is not None else 0
+
+    def _table(self, e: Entry) -> bytes | None:
+        """The verification table of `e` if it is at hand: inline in an older row, or its object loaded."""
+        if e.format != "raw" or not e.unit_bytes or (e.file_id, e.generation) in self._bad_tables:
+            return None
+        if e.unit_crcs:
+            return e.unit_crcs if len(e.unit_crcs) == 4 * unit_count(e) else None
+        return self.tables.get((e.file_id, e.generation)) if e.unit_ref else None
+
+    def _needs_table(self, e: Entry) -> bool:
+        """Has `e` a table object that is not loaded yet (nor refused)?"""
+        k = (e.file_id, e.generation)
+        return bool(e.unit_ref) and e.format == "raw" and k not in self.tables and k not in self._bad_tables
+
+    def _begin_table_load(self, e: Entry) -> trio.Event:
+        """The load of `e`'s table object in flight (started now if none is): set when it ended. No await."""
+        k = (e.file_id, e.generation)
+        ev = self._table_loads.get(k)
+        if ev is None:
+            ev = self._table_loads[k] = trio.Event()
+            self.eng.start_soon(self._table_loader, e, ev)
+        return ev
+
+    async def _load_table(self, e: Entry, deadline: float) -> None:
+        """Wait (within the read deadline) for `e`'s table object to be loaded, starting its load if needed."""
+        with trio.move_on_at(deadline):
+            await self._begin_table_load(e).wait()
+
+    async def _table_loader(self, e: Entry, ev: trio.Event) -> None:
+        """Fetch the verification table object of `e` into the LRU, checked against its reference (size and
+        crc32c); one load per segment at a time. A refused table is logged with its object and the segment is
+        read by whole blocks from then on; a store error leaves it to the next read."""
+        k = (e.file_id, e.generation)
+        key = units.ref_key(e.unit_ref)
+        try:
+            try:
+                key, size, crc = units.parse_ref(e.unit_ref, 4 * unit_count(e), units.table_key(e.objects[0]))
+                data = await self.eng.io(self.eng.store.get, key)
+                why = units.check_table(data, size, crc)
+            except ValueError as err:
+                why = str(err)
+            except ObjectNotFound:
+                why = "it is missing"
+            if why is None:
+                self.eng.stats.unit_table_loads += 1
+                if self._same(e, k[1]):
+                    self.tables.put(k, bytes(data))
+            else:
+                self.eng.stats.unit_tables_refused += 1
+                self._bad_tables.add(k)
+                log.error("verification table object %s of %s is refused (%s): it is read by whole blocks", key,
+                          e.path, why)
+        except Exception as err:  # a store error (or any other): never let a load take the nursery down
+            log.warning("verification table object %s of %s: %s: %s; whole blocks meanwhile", key, e.path,
+                        type(err).__name__, err)
+        finally:
+            del self._table_loads[k]
+            ev.set()
 
     def _missing_units(self, e: Entry, missing: list[int], off: int, end: int) -> list[int] | None:
         """The verification units of [off, end) in `missing` blocks not pooled, or None when the read must fetch
-        whole blocks (no table, or a block of it is being fetched whole: that fetch is waited for)."""
-        u = self._units(e)
-        if not u:
-            return None
+        whole blocks (no table; a block of it is being fetched whole: that fetch is waited for; or a ConsumeQueue
+        named the file's records lately and readahead.named_units is off: a consumer's next records are in the
+        same blocks, one GET per record would cost far more than the bytes saved)."""
+        u = self._units(e) or (e.unit_bytes if self._needs_table(e) else 0)  # a table object loads with the units
+        if not u or ((self._named or self._peeked) and not self.eng.config["readahead.named_units"] and
+                     time.monotonic() - max(self._named.get(e.file_id, -60.0), self._peeked.get(e.file_id, -60.0))
+                     < NAMED_HOLD_SECONDS):
+            return None  # none, or a consumer's records (a ConsumeQueue named them): they cluster in blocks
         fid, gen, bb, pool, inflight = e.file_id, e.generation, e.block_bytes, self.pool, self.inflight
         out = []
         for b in missing:
@@ -408,11 +503,14 @@ class BlockCache:
             if f.error:
                 raise ReadFailed(f.error)
 
-    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool, unit: bool = False) -> Fetch:
+    def _start_fetch(self, e: Entry, first: int, n: int, prefetch: bool, scan: bool, unit: bool = False,
+                     only: list[int] | None = None) -> Fetch:
+        """Start one ranged GET of blocks (or `unit`s) [first, first+n); with `only`, a GET coalesced over gaps:
+        only those units are claimed and kept (the gap bytes are checked and dropped)."""
         f = Fetch()
-        for b in range(first, first + n):
+        for b in only if only is not None else range(first, first + n):
             self.inflight[(e.file_id, e.generation, ~b if unit else b)] = f
-        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan, unit)
+        self.eng.start_soon(self._fetch, e, first, n, f, prefetch, scan, unit, only)
         return f
 
     def _prefetch(self, e: Entry, stream: ReadAhead, start: int, window: int) -> None:
@@ -439,12 +537,16 @@ class BlockCache:
         budget = int(self.eng.config["readahead.budget_bytes"])
         return max(1, min(PREFETCH_GROUP_BYTES, budget // 4) // block_bytes)
 
-    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int) -> None:
+    def _prefetch_named(self, cq: Entry, data: bytes | memoryview, off: int, load: bool = True,
+                        fetch: bool = True) -> None:
         """Layout-aware prefetch: a page of a tiered ConsumeQueue names the CommitLog records its consumer reads
         next (20-byte units: offset, size, tags code). Fetch the blocks of those records that are evicted, in
         coalesced ranged GETs, within the read-ahead budget, so a consumer of a small topic pulls only the blocks
         holding its messages, not the whole CommitLog. Only CommitLog files a reader has open (the broker keeps
-        its CommitLog mapped): their buffers live until the last handle closes. No await in here."""
+        its CommitLog mapped): their buffers live until the last handle closes. A CommitLog whose verification
+        table object is not loaded yet is prefetched once a task has loaded it (`load`). Without `fetch`, the
+        CommitLogs named are only marked (a consumer's: random reads of them fetch whole blocks, see
+        _missing_units). No await in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
         seg = self._commitlog_file_size(root)
@@ -457,6 +559,7 @@ class BlockCache:
         reading = set(self._stream_file.values())  # only files a reader has open: buffers go at the last close
         by_units = bool(eng.config["readahead.named_units"])
         want: dict[int, tuple[Entry, list[int]]] = {}
+        tables: dict[int, Entry] = {}  # CommitLogs whose table object must be loaded first
         last: tuple[int, int] = (-1, -1)  # (file id, block) just added: consecutive units share blocks
         for phys, size, _ in _CQ_UNIT.iter_unpack(mv[start:stop]):
             if phys < 0 or size <= 0:
@@ -467,17 +570,33 @@ class BlockCache:
             c = eng.entries.get(f"{prefix}{base:020d}")
             if c is None or eng.tiered.get(c.ino) is not c or c.file_id not in reading:
                 continue  # local (or unknown, or no reader has it open): nothing to fetch
-            bb = (by_units and self._units(c)) or c.block_bytes  # the record's verification units, or its blocks
+            if by_units and self._needs_table(c):
+                tables[c.file_id] = c
+                continue
+            u = by_units and self._units(c)
+            bb = u or c.block_bytes  # the record's verification units, or its blocks
             rel = phys - base
             slot = want.get(c.file_id)
             if slot is None:
                 slot = want[c.file_id] = (c, [])
-            for b in range(rel // bb, min(rel + size - 1, c.size - 1) // bb + 1):
+            lo, hi = rel, min(rel + size, c.size)
+            if u and u < PAGE:  # the kernel reads whole pages: the units of the record's pages
+                lo, hi = lo - lo % PAGE, min(-(-hi // PAGE) * PAGE, c.size)
+            for b in range(lo // bb, (hi - 1) // bb + 1):
                 if (c.file_id, b) != last:
                     slot[1].append(b)
                     last = (c.file_id, b)
-        budget = int(eng.config["readahead.budget_bytes"])
         now = time.monotonic()
+        if not fetch:  # only marked: their generic read-ahead stays (self._named would hold it off)
+            if len(self._peeked) > 1024:
+                self._peeked = {k: t for k, t in self._peeked.items() if now - t < NAMED_HOLD_SECONDS}
+            for c in [c for c, _ in want.values()] + list(tables.values()):
+                self._peeked[c.file_id] = now
+            return
+        if tables and load:
+            eng.start_soon(self._prefetch_named_loaded, cq, bytes(mv), off, list(tables.values()))
+        budget = int(eng.config["readahead.budget_bytes"])
+        gap = int(eng.config["readahead.named_gap_bytes"])
         if len(self._named) > 1024:
             self._named = {k: t for k, t in self._named.items() if now - t < NAMED_HOLD_SECONDS}
         for c, pieces in want.values():
@@ -489,19 +608,27 @@ class BlockCache:
                 todo = [k for k in pieces if not c.is_resident(k // per) and (fid, gen, k // per) not in inflight
                         and (fid, gen, k // per) not in pool and (fid, gen, ~k) not in inflight
                         and (fid, gen, ~k) not in pool]
-                runs = unit_runs(c, todo)
+                runs = coalesce(unit_runs(c, todo), gap // u, max(1, NAMED_GET_BYTES // u), c.chunk_bytes // u)
             else:
                 todo = [b for b in pieces if not c.is_resident(b) and (fid, gen, b) not in inflight
                         and (fid, gen, b) not in pool]
                 runs = block_runs(c, todo, self._group_blocks(c.block_bytes))
-            for first, n in runs:
+            for first, n, *only in runs:
                 nbytes = n * (u or c.block_bytes)
                 if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
                     return
                 self.prefetch_inflight += nbytes
                 eng.stats.named_prefetch_bytes += min((first + n) * (u or c.block_bytes), c.size) - first * (
                     u or c.block_bytes)
-                self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u))
+                self._start_fetch(c, first, n, prefetch=True, scan=True, unit=bool(u), only=only[0] if only else None)
+
+    async def _prefetch_named_loaded(self, cq: Entry, data: bytes, off: int, logs: list[Entry]) -> None:
+        """Load the table objects of CommitLogs a ConsumeQueue page named, then prefetch that page's records."""
+        deadline = trio.current_time() + float(self.eng.config["objectstore.read_timeout_seconds"])
+        for c in logs:
+            if self._needs_table(c):
+                await self._load_table(c, deadline)
+        self._prefetch_named(cq, data, off, load=False)
 
     def _commitlog_file_size(self, root: str) -> int:
         """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
@@ -596,19 +723,50 @@ class BlockCache:
             self.footers[key] = footer
         return footer
 
-    async def _read_units(self, e: Entry, first: int, n: int) -> tuple[list[memoryview], list[Buffer], int | None]:
-        """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store,
-        a view per unit, and the first unit that fails its crc32c (None: all good): one ranged GET and the check
-        in one worker thread."""
+    async def _read_units(self, e: Entry, first: int, n: int, deadline: float, only: list[int] | None = None
+                          ) -> tuple[list[memoryview | None], list[Buffer], int | None, int | None]:
+        """Verification units [first, first+n) of a raw segment (inside one chunk object) from the object store:
+        (a view per unit, -, None, None) when all pass the table: one ranged GET and the check in one worker thread.
+        The table is untrusted (an object): when a unit fails it, or there is no table at hand any more, the
+        covering blocks are fetched and checked against their own crc32c instead: (a view per block, their
+        buffers, the first bad block or None, the first block). Blocks that pass while a unit failed prove the
+        table wrong: it is logged with its object and the segment is read by whole blocks from then on."""
         u = e.unit_bytes
+        table = self._table(e)
         chunk_no = first * u // e.chunk_bytes
+        key = e.objects[chunk_no]
         start, length = first * u - chunk_no * e.chunk_bytes, min((first + n) * u, e.size) - first * u
-        views, bad = await self.eng.io(_get_units_checked, self.eng.store, e.objects[chunk_no], start, length,
-                                       first, e.unit_crcs, u)
-        return views, [], bad
+        bad: int | None = None
+        if table is None and self._needs_table(e):
+            # not loaded yet (or dropped from the LRU): the table object and the units at once, one round trip
+            loading = self._begin_table_load(e)
+            data = await self.eng.io(self.eng.store.get_range, key, start, length)
+            with trio.move_on_at(deadline):
+                await loading.wait()
+            table = self._table(e)
+            if table is not None:
+                bad = units.first_bad(data, first, table, u)
+                if bad is None:
+                    return _split_units(data, first, u, only), [], None, None
+        elif table is not None:
+            views, bad = await self.eng.io(_get_units_checked, self.eng.store, key, start, length, first, table,
+                                           u, only)
+            if bad is None:
+                return views, [], None, None
+        b0, b1 = first * u // e.block_bytes, (min((first + n) * u, e.size) - 1) // e.block_bytes
+        views, bufs, bad_block = await self._read_blocks(e, b0, b1 - b0 + 1)
+        if table is not None and bad_block is None:
+            k = (e.file_id, e.generation)
+            self._bad_tables.add(k)
+            self.tables.discard(k)
+            self.eng.stats.unit_tables_refused += 1
+            where = f"object {units.ref_key(e.unit_ref)}" if e.unit_ref else "the catalog's inline table"
+            log.error("verification table (%s) of %s is wrong: unit %d fails it but blocks %d-%d pass their own "
+                      "crc32c; the segment is read by whole blocks from now on", where, e.path, bad, b0, b1)
+        return views, bufs, bad_block, b0
 
     async def _fetch(self, e: Entry, first: int, n: int, fetch: Fetch, prefetch: bool, scan: bool,
-                     unit: bool = False) -> None:
+                     unit: bool = False, only: list[int] | None = None) -> None:
         """Fetch blocks [first, first+n), or with `unit` verification units [first, first+n), into the pool."""
         stats = self.eng.stats
         gen = e.generation
@@ -616,13 +774,15 @@ class BlockCache:
         size = e.unit_bytes if unit else e.block_bytes  # of one of the n pieces
         error = None
         t0 = time.monotonic()
+        deadline = trio.current_time() + float(self.eng.config["objectstore.read_timeout_seconds"])
         e.pins += 1  # the evictor leaves a file alone while a fetch for it is in flight
         prefetch_counted = prefetch
         try:
             for attempt in (1, 2):
                 try:
+                    as_blocks = None  # units fetched as their whole blocks from this one (see _read_units)
                     if unit:
-                        views, bufs, bad = await self._read_units(e, first, n)
+                        views, bufs, bad, as_blocks = await self._read_units(e, first, n, deadline, only)
                     else:
                         views, bufs, bad = await self._read_blocks(e, first, n, fetch, prefetch)
                 except lz4c.Lz4cError as err:
@@ -638,14 +798,17 @@ class BlockCache:
                     error = f"object {key} of {e.path}: {err}"
                     self.eng.store_down_since = self.eng.store_down_since or time.time()
                     break
-                nbytes = sum(len(v) for v in views)
+                nbytes = sum(len(v) for v in views) if not unit or as_blocks is not None else (
+                    min((first + n) * size, e.size) - first * size)  # the GET's bytes, gaps included
                 try:
                     if bad is None:
                         if prefetch:  # landed: from here its bytes count as pooled (unread), not in flight
                             self.prefetch_inflight -= n * size
                             prefetch_counted = False
-                        if unit:
-                            self._land_units(e, gen, first, views, prefetch)
+                        if unit and as_blocks is None:
+                            self._land_units(e, gen, first, views, prefetch, only)
+                        elif unit:
+                            self._land(e, gen, as_blocks, views, bufs, prefetch, scan)
                         else:
                             self._land(e, gen, first, views, bufs, prefetch, scan, fetch.landed)
                 finally:
@@ -657,13 +820,12 @@ class BlockCache:
                     self.eng.observe("download", time.monotonic() - t0, nbytes)
                     if prefetch:
                         stats.prefetch_bytes += nbytes
-                    if unit:
+                    if unit and as_blocks is None:
                         stats.unit_fetch_bytes += nbytes
                     error = None
                     break
                 stats.corrupt_objects += 1
-                what = f"bytes {bad * e.unit_bytes}+{e.unit_bytes} fail their" if unit else f"block {bad} fails its"
-                error = f"object {key} of {e.path} is corrupt: {what} crc32c"
+                error = f"object {key} of {e.path} is corrupt: block {bad} fails its crc32c"
                 log.error("%s (attempt %d)", error, attempt)
         except Exception as err:  # never let a fetch task take the nursery down
             error = f"object {key} of {e.path}: {type(err).__name__}: {err}"
@@ -724,12 +886,16 @@ class BlockCache:
         elif todo:
             self.eng.stats.memory_only_bytes += nbytes
 
-    def _land_units(self, e: Entry, gen: int, first: int, views: list[memoryview], prefetch: bool) -> None:
-        """Verified units arrive: into the pool only (the hot file keeps whole blocks). No await in here."""
+    def _land_units(self, e: Entry, gen: int, first: int, views: list[memoryview | None], prefetch: bool,
+                    only: list[int] | None = None) -> None:
+        """Verified units arrive: into the pool only (the hot file keeps whole blocks); of a coalesced GET only
+        those asked for (`only`; the views of the others are None). No await in here."""
         if self._same(e, gen):
             for i, view in enumerate(views):
-                self.pool.put((e.file_id, gen, ~(first + i)), view, unread=prefetch, reserve=self.prefetch_inflight)
-            self.eng.stats.memory_only_bytes += sum(len(v) for v in views)
+                if view is not None:
+                    self.pool.put((e.file_id, gen, ~(first + i)), view, unread=prefetch,
+                                  reserve=self.prefetch_inflight)
+            self.eng.stats.memory_only_bytes += sum(len(v) for v in views if v is not None)
 
     def _keep_locally(self, nbytes: int, scan: bool) -> bool:
         """Should fetched blocks go into the local cache? A random reader's blocks always (the evictor keeps the
@@ -859,13 +1025,13 @@ class BlockCache:
         if eng.orphans.get(ino) is e:  # unlinked while open: no row to rewrite, the objects may simply go
             del eng.orphans[ino]
             eng.drop(e)
-            await eng.db(eng.catalog.schedule_deletes, e.objects, time.time() + grace)
+            await eng.db(eng.catalog.schedule_deletes, e.all_objects(), time.time() + grace)
             return
         gen = await eng.db(eng.catalog.allocate, 1)
         if eng.tiered.get(ino) is not e:
             return
         row = eng.hot_copy(e, gen)
-        old_keys = e.objects
+        old_keys = e.all_objects()
         await eng.db(eng.catalog.replace, row, old_keys, time.time() + grace, ("cidx",))
         failpoints.hit("tier.rewritten")
         # committed: from here the hot file is the only copy, so the entry leaves `tiered` whatever else changed

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tierfs.tier import units
+
 
 class State(str, enum.Enum):
     HOT = "hot"
@@ -54,6 +56,9 @@ class Entry:
     # so a random read fetches and checks only the pieces it needs; 0/empty: none (whole blocks are fetched)
     unit_bytes: int = 0
     unit_crcs: bytes = b""
+    # ... or, instead of the table inline, a reference to it as one object next to the segment's chunks
+    # (tierfs.tier.units: "crc32c hex:size:key"), loaded lazily by readers; "": none
+    unit_ref: str = ""
     pins: int = field(default=0, compare=False)  # in memory only: rematerialise/fetch in progress, never evict
 
     @property
@@ -77,6 +82,12 @@ class Entry:
         row written is never the live entry, which readers, fetches and the evictor keep changing meanwhile."""
         changes.setdefault("resident", bytearray(self.resident))
         return replace(self, pins=0, **changes)
+
+    def all_objects(self) -> list[str]:
+        """Every object of this generation: its chunks (or lz4c object) and its verification table object, if
+        any. What goes when the row goes (deletes, rewrites, compaction, fsck's orphan check)."""
+        key = units.ref_key(self.unit_ref)
+        return self.objects + [key] if key else self.objects
 
     def resident_bytes(self) -> int:
         """Bytes present locally: a popcount of the bitmap, not a per-block loop (status and metrics walk every
@@ -113,7 +124,8 @@ CREATE TABLE IF NOT EXISTS files (
     file_id INTEGER NOT NULL DEFAULT 0,
     ino INTEGER NOT NULL DEFAULT 0,
     unit_bytes INTEGER NOT NULL DEFAULT 0,
-    unit_crcs BLOB NOT NULL DEFAULT x''
+    unit_crcs BLOB NOT NULL DEFAULT x'',
+    unit_ref TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
@@ -153,7 +165,7 @@ class Artifact:
 
 _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "chunk_bytes", "block_bytes",
          "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since", "file_id", "ino",
-         "unit_bytes", "unit_crcs")
+         "unit_bytes", "unit_crcs", "unit_ref")
 _KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generation in a segment/sidecar key
 # Deletes queued for an unlinked file that a process still holds open: due only once it is closed.
 NEVER = 1e18
@@ -180,6 +192,8 @@ class Catalog:
                     db.execute(f"ALTER TABLE files ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
             if "unit_crcs" not in have:
                 db.execute("ALTER TABLE files ADD COLUMN unit_crcs BLOB NOT NULL DEFAULT x''")
+            if "unit_ref" not in have:
+                db.execute("ALTER TABLE files ADD COLUMN unit_ref TEXT NOT NULL DEFAULT ''")
             top = max(db.execute("SELECT coalesce(max(generation), 0), coalesce(max(file_id), 0) FROM files")
                       .fetchone())
             top = max(top, db.execute("SELECT coalesce(max(generation), 0) FROM artifacts").fetchone()[0])
@@ -221,13 +235,14 @@ class Catalog:
                      block_bytes=d["block_bytes"], crc32c=d["crc32c"], block_crcs=json.loads(d["block_crcs"]),
                      objects=json.loads(d["objects"]), resident=bytearray(d["resident"]),
                      last_access=d["last_access"], state_since=d["state_since"], file_id=d["file_id"],
-                     ino=d["ino"], unit_bytes=d["unit_bytes"] or 0, unit_crcs=bytes(d["unit_crcs"] or b""))
+                     ino=d["ino"], unit_bytes=d["unit_bytes"] or 0, unit_crcs=bytes(d["unit_crcs"] or b""),
+                     unit_ref=d["unit_ref"] or "")
 
     @staticmethod
     def _row(e: Entry) -> tuple:
         return (e.path, e.kind, e.size, e.mtime_ns, e.state.value, e.generation, e.format, e.chunk_bytes,
                 e.block_bytes, e.crc32c, json.dumps(e.block_crcs), json.dumps(e.objects), bytes(e.resident),
-                e.last_access, e.state_since, e.file_id, e.ino, e.unit_bytes, e.unit_crcs)
+                e.last_access, e.state_since, e.file_id, e.ino, e.unit_bytes, e.unit_crcs, e.unit_ref)
 
     def put(self, e: Entry) -> None:
         """Insert or replace a row, durably (one transaction)."""
@@ -385,10 +400,18 @@ def unit_count(e: Entry) -> int:
 
 
 def check_units(e: Entry) -> None:
-    """A finer verification table must fit its row (snapshot rows are untrusted input): ValueError if not."""
-    if not e.unit_bytes and not e.unit_crcs:
+    """A finer verification table, inline or by reference, must fit its row (snapshot rows are untrusted
+    input): ValueError if not."""
+    if not e.unit_bytes and not e.unit_crcs and not e.unit_ref:
         return
     if not (isinstance(e.unit_bytes, int) and e.unit_bytes >= 512 and e.block_bytes % e.unit_bytes == 0):
         raise ValueError(f"verification unit {e.unit_bytes!r} does not divide block size {e.block_bytes!r}")
+    if e.unit_ref:
+        if e.unit_crcs:
+            raise ValueError("a row has both an inline verification table and a reference to one")
+        if e.format != "raw" or not e.objects:
+            raise ValueError(f"a verification table reference on a {e.format} row with {len(e.objects)} objects")
+        units.parse_ref(e.unit_ref, 4 * unit_count(e), units.table_key(e.objects[0]))
+        return
     if not isinstance(e.unit_crcs, bytes) or len(e.unit_crcs) != 4 * unit_count(e):
         raise ValueError(f"verification table of {len(e.unit_crcs)} bytes for {unit_count(e)} units")

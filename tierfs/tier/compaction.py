@@ -345,16 +345,17 @@ class Compactor:
             return f"rejected: {err}"
         if not eng.is_live(e) or e.state is not State.TIERED or e.generation != row["generation"]:
             return "skipped"
-        old_keys = e.objects
+        old_keys = e.all_objects()
         # the swapped row is a copy (no await between it and queueing the commit); memory follows the commit
         # (resident bits: none; the engine persists the live ones after an fdatasync, never ahead of the bytes)
         swapped = e.copy(format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
-                          resident=bytearray(len(e.resident)), unit_bytes=0, unit_crcs=b"")  # lz4 blocks: no units
+                          resident=bytearray(len(e.resident)), unit_bytes=0, unit_crcs=b"",
+                         unit_ref="")  # lz4 blocks: no units (the table object goes with the raw chunks)
         await eng.db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
         eng.cache.footers[row["key"]] = footer
         if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
             e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes
-            e.unit_bytes, e.unit_crcs = 0, b""
+            e.unit_bytes, e.unit_crcs, e.unit_ref = 0, b"", ""
             eng.evictor.residency_changed(e)
         return None
 

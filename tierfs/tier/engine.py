@@ -196,14 +196,14 @@ class Engine:
                     log.error("read-only cache: %s is missing from the local tree; not served", e.path)
                     continue
                 log.warning("catalog row %s has no hot file (deleted while unmounted); deleting its objects", e.path)
-                self.catalog.remove(e.path, e.objects, now + grace, artifacts=("cidx",))
+                self.catalog.remove(e.path, e.all_objects(), now + grace, artifacts=("cidx",))
                 continue
             changed = self._changed_while_unmounted(e, st)
             if changed and not self.read_only:
                 log.warning("%s changed behind the daemon's back (%s): its catalog row (%s, gen %d) is dropped "
                             "and the file is sealed again from its local bytes", e.path, changed, e.state.value,
                             e.generation)
-                self.catalog.remove(e.path, e.objects, now + grace, artifacts=("cidx",))
+                self.catalog.remove(e.path, e.all_objects(), now + grace, artifacts=("cidx",))
                 continue
             e.ino = st.st_ino
             self.entries[e.path] = e
@@ -355,7 +355,7 @@ class Engine:
         keep = e.state is State.TIERED and held_fd is not None and self.tiered.get(ino) is e
         if keep:
             self._hold(e, held_fd)
-        await self.db(self.catalog.remove, rel, e.objects, NEVER if keep else time.time() + grace, ("cidx",))
+        await self.db(self.catalog.remove, rel, e.all_objects(), NEVER if keep else time.time() + grace, ("cidx",))
         failpoints.hit("tier.unlinked")
         if self.entries.get(rel) is e:
             del self.entries[rel]
@@ -387,7 +387,7 @@ class Engine:
         if self.read_only:  # a reader never deletes objects
             return
         grace = float(self.config["delete.grace_seconds"])
-        await self.db(self.catalog.schedule_deletes, e.objects, time.time() + grace)
+        await self.db(self.catalog.schedule_deletes, e.all_objects(), time.time() + grace)
         log.info("%s: last holder closed; %d objects deleted after %.0f s", e.path, len(e.objects), grace)
 
     async def on_rename(self, old: str, new: str) -> None:
@@ -417,15 +417,15 @@ class Engine:
     @staticmethod
     def tiered_copy(e: Entry, res: tuple) -> Entry:
         """The TIERED row of an uploaded segment: every block resident, its objects and crcs."""
-        crc, block_crcs, keys, (unit, unit_crcs), now = res
+        crc, block_crcs, keys, (unit, unit_crcs, unit_ref), now = res
         return e.copy(crc32c=crc, block_crcs=block_crcs, objects=keys, state=State.TIERED, last_access=now,
-                      unit_bytes=unit, unit_crcs=unit_crcs,
+                      unit_bytes=unit, unit_crcs=unit_crcs, unit_ref=unit_ref,
                       state_since=now, resident=bytearray(b"\xff" * ((e.nblocks + 7) // 8)))
 
     def hot_copy(self, e: Entry, generation: int) -> Entry:
         """The row of a file that is HOT again, at a new generation (its old objects are being deleted)."""
         return e.copy(state=State.HOT, generation=generation, objects=[], block_crcs=[], crc32c=None,
-                      unit_bytes=0, unit_crcs=b"",
+                      unit_bytes=0, unit_crcs=b"", unit_ref="",
                       resident=bytearray(), format="raw", chunk_bytes=self.chunk, state_since=time.time())
 
     @staticmethod

@@ -686,7 +686,8 @@ def _load(db_path: Path, store_id: str, reserved: str) -> tuple[list[tuple[Entry
             have = {r[1] for r in db.execute("PRAGMA table_info(snapshot_files)")}
             # snapshots written before file ids existed lack the identity columns: 0 (unassigned) for those
             # ... and those written before finer verification tables lack those: none (whole blocks are fetched)
-            absent = {"file_id": "0", "ino": "0", "unit_bytes": "0", "unit_crcs": "x''"}
+            # ... and those written before table objects lack the reference: the table inline, or none
+            absent = {"file_id": "0", "ino": "0", "unit_bytes": "0", "unit_crcs": "x''", "unit_ref": "''"}
             cols = [c if c in have or c not in absent else absent[c] for c in COLUMNS + _EXTRA_COLS]
             frows = db.execute(f"SELECT {','.join(cols)} FROM snapshot_files").fetchall()
             trows = db.execute("SELECT path, type, mode, uid, gid, mtime_ns, target FROM snapshot_tree").fetchall()

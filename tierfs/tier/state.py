@@ -70,6 +70,8 @@ class EngineStats:
     named_prefetch_bytes: int = 0  # prefetched because a tiered ConsumeQueue page named them (layout-aware)
     prefetch_bytes: int = 0
     unit_fetch_bytes: int = 0  # of fetch_bytes: verification units a random read fetched (not whole blocks)
+    unit_table_loads: int = 0  # verification table objects fetched into the daemon's LRU
+    unit_tables_refused: int = 0  # table objects refused (reference mismatch) or found wrong by block crc32c
     rewrites: int = 0
     identical_rewrites: int = 0
     last_error: str = ""

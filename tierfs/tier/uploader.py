@@ -230,12 +230,12 @@ class Uploader:
             if res is None:
                 continue
             shrank = isinstance(res, ShortRead)
-            crc, block_crcs, keys, table = (0, [], res.keys, (0, b"")) if isinstance(res, ShortRead) else res
+            crc, block_crcs, keys, table = (0, [], res.keys, (0, b"", "")) if isinstance(res, ShortRead) else res
             if (shrank or eng.write_seq.get(ino, 0) != seq or eng.entries.get(e.path) is not e
                     or e.state is not State.UPLOADING):
                 log.info("%s changed during upload%s; discarding gen %d objects", e.path,
                          f" ({res})" if shrank else "", e.generation)
-                void_keys += keys
+                void_keys += keys + ([units.ref_key(table[2])] if table[2] else [])  # its table object too
                 if eng.entries.get(e.path) is e and eng.is_live(e):
                     voided.append(e)
                 continue
@@ -280,7 +280,7 @@ class Uploader:
         """Segments written while their TIERED commit ran: not in `tiered` yet, so nothing was evicted and the
         hot file is whole. They turn HOT at a new generation (to be sealed again) and their objects go."""
         eng = self.eng
-        keys = [k for e in late for k in e.objects]
+        keys = [k for e in late for k in e.all_objects()]
         for e in late:
             log.info("%s written while its upload was committed; discarding gen %d objects", e.path, e.generation)
         gen0 = await eng.db(eng.catalog.allocate, len(late))
@@ -291,10 +291,11 @@ class Uploader:
                 eng.become(e, row)
 
     def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None
-                        ) -> tuple[int, list[int], list[str], tuple[int, bytes]]:
+                        ) -> tuple[int, list[int], list[str], tuple[int, bytes, str]]:
         """Read the hot file chunk by chunk, PUT each chunk (or compose it in the store from the append objects
         `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied`), verify, and
-        return (crc, block crcs, keys, (verification unit, its packed crc32c table: tierfs.tier.units))."""
+        return (crc, block crcs, keys, (verification unit, b"", the reference to its crc32c table object:
+        tierfs.tier.units)). The table object is put last, after every chunk: no table without its chunks."""
         eng = self.eng
         keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
         crc = 0
@@ -336,7 +337,16 @@ class Uploader:
                         raise ObjectStoreError(key, "verification failed: size mismatch")
         finally:
             os.close(fd)
-        return crc, block_crcs, keys, (unit, b"".join(unit_crcs))
+        if not unit:
+            return crc, block_crcs, keys, (0, b"", "")
+        packed = b"".join(unit_crcs)
+        tkey = units.table_key(keys[0])
+        eng.fence(tkey)
+        eng.store.put(tkey, packed, metadata={"crc32c": f"{crc32c.crc32c(packed):08x}"})
+        info = eng.store.head(tkey)
+        if info is None or info.size != len(packed):
+            raise ObjectStoreError(tkey, "verification failed: size mismatch")
+        return crc, block_crcs, keys, (unit, b"", units.make_ref(tkey, packed))
 
     def _compose(self, fd: int, key: str, off: int, n: int, crc: int, tail: tuple, same: dict[str, bool],
                  copied: list[int] | None) -> bool:
