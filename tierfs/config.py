@@ -192,8 +192,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("cache.low_watermark", "float", 0.75, "Eviction stops below this share of cache.max_bytes.",
         minimum=0.0, maximum=1.0),
     Key("cache.block_bytes", "size", 1 << 20, "Unit of residency, fetch and eviction.", minimum=1 << 12),
-    Key("cache.verify_bytes", "size", 0,
-        "Finer crc32c unit recorded at upload (divides cache.block_bytes, e.g. 4KiB): a random read of an evicted "
+    Key("cache.verify_bytes", "size", 4 << 10,
+        "Finer crc32c unit recorded at upload (divides cache.block_bytes): a random read of an evicted "
         "raw segment then fetches and checks only the units it touches instead of whole blocks. The table (4 bytes "
         "per unit: 1 MiB per tiered GiB at 4KiB) is one object per segment beside its chunks, referenced by the "
         "catalog row and loaded when the segment is read (cache.unit_tables_bytes). 0: whole blocks only.",

@@ -69,7 +69,8 @@ class Engine:
             from tierfs.config import ConfigError
 
             raise ConfigError(f"config key 'cache.verify_bytes': {self.unit} does not divide cache.block_bytes "
-                              f"({self.block}); allowed: 0, or a power of two from 512 up to cache.block_bytes")
+                              f"({self.block}); allowed: 0 (no tables, whole blocks only), or a power of two from 512 "
+                              f"up to cache.block_bytes that divides it")
         if self.chunk % self.block:
             from tierfs.config import ConfigError
 
