@@ -476,6 +476,41 @@ def test_syncfs_after_unlink_of_closed_file(mounted):
     assert mounted.path("alias").read_bytes() == b"k"
 
 
+def test_a_new_file_never_gets_the_inode_of_one_the_kernel_still_holds(mounted):
+    """ext4 gives a freed inode number to the next file it creates. While the kernel still holds the unlinked
+    inode (here through an O_PATH fd, which sends no OPEN; a close's RELEASE does the same for a while), a new
+    file with that number as its FUSE node id was merged into the old kernel inode: its size and page cache were
+    the old file's, and a directory made after an rmdir was dead (ENOENT inside it)."""
+    old, new = mounted.path("00000000000000000000"), mounted.path("00000000000000001000")
+    old.write_bytes(b"a" * 5000)
+    assert old.read_bytes() == b"a" * 5000  # in the kernel's page cache now
+    held = os.open(old, os.O_PATH)
+    d_held = None
+    try:
+        os.unlink(old)
+        new.write_bytes(b"b" * 3000)
+        assert os.stat(new).st_ino != os.fstat(held).st_ino
+        assert new.read_bytes() == b"b" * 3000
+        assert os.fstat(held).st_nlink == 0
+        # the same for a directory (a topic deleted and made again)
+        d_old, d_new = mounted.path("TopicA"), mounted.path("TopicB")
+        d_old.mkdir()
+        d_held = os.open(d_old, os.O_PATH)
+        d_old.rmdir()
+        d_new.mkdir()
+        assert os.stat(d_new).st_ino != os.fstat(d_held).st_ino
+        (d_new / "0").write_bytes(b"q")
+        assert os.listdir(d_new) == ["0"]
+    finally:
+        os.close(held)
+        if d_held is not None:
+            os.close(d_held)
+    # the pins go once the kernel has forgotten the inodes
+    pinned = mounted.hot / ".tierfs" / "unlinked"
+    wait_for(lambda: not os.listdir(pinned), 30, what="pinned inodes to be released after the kernel forgot them")
+    assert hot_names(mounted) == {"00000000000000001000", "TopicB"}
+
+
 def test_directory_with_10000_entries(mounted):
     """readdir over many batches (a busy consumequeue/ or index/ dir), exact names and sizes, rmdir rules.
     1,000 entries are created through the mount; 9,000 more are made directly in the hot dir to keep the test

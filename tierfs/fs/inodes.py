@@ -3,20 +3,35 @@
 FUSE inode numbers are the hot dir's own st_ino (stable across remounts, so NFS-style handles and the kernel's
 caches stay coherent); the hot dir root is ROOT_INODE. An inode keeps every path it is known by (hard links) and
 the fds open on it, so a file that was unlinked while open or mapped keeps working through its fds.
+
+An st_ino is a FUSE node id only while no other file can have it: the hot dir's file system hands a freed st_ino
+to the next file it creates, and the kernel still holds the old inode until it FORGETs it (a close returns before
+its RELEASE; the inode stays cached until that RELEASE is answered). A new file given the same node id would be
+merged with the old inode, its page cache and size included, and the daemon would serve it from the old file's
+state. So a file or directory that loses its last name while the kernel or an fd may still hold it is *pinned*:
+its last link moves to PINNED_DIR/<st_ino>, and the link goes only when the kernel has forgotten it and the last
+fd is closed (`_drop_inode`). Pins left by a daemon that died are cleared at the next mount.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pyfuse3
 
 ROOT = pyfuse3.ROOT_INODE
+PINNED_DIR = ".tierfs/unlinked"  # below the hot dir; the root's .tierfs is the control dir through the mount
+
+
+def pin_path(st_ino: int) -> str:
+    return f"{PINNED_DIR}/{st_ino}"
 
 
 class InodeTable:
-    def __init__(self, root_ino: int):
+    def __init__(self, root_ino: int, unpin: Callable[[str], None]):
         self._root_ino = root_ino
+        self._unpin = unpin  # removes a pin's last link (a file or an empty directory), once the inode is dropped
         self.paths: dict[int, set[str]] = {ROOT: {""}}
         self.by_path: dict[str, int] = {"": ROOT}
         self.lookups: dict[int, int] = {ROOT: 1}
@@ -24,6 +39,7 @@ class InodeTable:
         # inodes whose name the daemon gave to another file (a following mount's refresh) while the kernel may
         # still resolve the name to them: an open by that stale inode gets the file that has the name now
         self.stale: dict[int, str] = {}
+        self.pins: dict[int, str] = {}  # inodes without a name whose st_ino must stay taken: pin path by inode
 
     def ino_of(self, st: os.stat_result) -> int:
         return ROOT if st.st_ino == self._root_ino else st.st_ino
@@ -58,6 +74,16 @@ class InodeTable:
         for p in self.paths.pop(inode, ()):
             if self.by_path.get(p) == inode:
                 del self.by_path[p]
+        pin = self.pins.pop(inode, None)
+        if pin is not None:
+            self._unpin(pin)  # only now may the file system give its st_ino to another file
+
+    def pinned(self, inode: int, pin: str) -> None:
+        """`inode` lost its last name and its last link is `pin` now: kept until it is dropped (at once if
+        neither the kernel nor an fd holds it)."""
+        self.pins[inode] = pin
+        if inode not in self.lookups and not self.fds.get(inode):
+            self._drop_inode(inode)
 
     def unlinked(self, inode: int, path: str) -> None:
         ps = self.paths.get(inode)

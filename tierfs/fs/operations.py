@@ -27,7 +27,7 @@ from tierfs.config import Config
 from tierfs.fs import control
 from tierfs.fs.control import ControlDir
 from tierfs.fs.hotdir import HotDir
-from tierfs.fs.inodes import ROOT, InodeTable
+from tierfs.fs.inodes import PINNED_DIR, ROOT, InodeTable, pin_path
 from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
 from tierfs.store.paths import classify
@@ -104,7 +104,9 @@ class TierOperations(pyfuse3.Operations):
         self.timeout = float(config["mount.attr_timeout"])
         self.stats = stats or FsStats()
         self.local = LocalReader()
-        self.inodes = InodeTable(os.lstat(self.hot).st_ino)
+        self.inodes = InodeTable(os.lstat(self.hot).st_ino, self._unpin)
+        self.pinned_dir = os.path.join(self.hot, PINNED_DIR)  # files that lost their last name (inodes.py)
+        self._clear_pins()
         self.control = ControlDir(os.getuid(), os.getgid())
         self._fh_inode: dict[int, int] = {}
         self._dirs: dict[int, _DirHandle] = {}
@@ -118,9 +120,36 @@ class TierOperations(pyfuse3.Operations):
         self._tiered: Mapping[int, Any] = MappingProxyType(engine.tiered if engine is not None else {})
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._flusher_fh: set[int] = set()  # opened by our own flusher: its fsync needs no fsync of the hot file
-        self._unlinked_stat: dict[int, os.stat_result] = {}  # last attributes of unlinked inodes, until forget
 
     # ---------------------------------------------------------------- helpers
+
+    def _clear_pins(self) -> None:
+        """A new mount: no kernel holds any inode yet, so what a previous daemon pinned can go."""
+        os.makedirs(self.pinned_dir, mode=0o700, exist_ok=True)
+        for name in os.listdir(self.pinned_dir):
+            self._unpin(f"{PINNED_DIR}/{name}")
+
+    def _unpin(self, pin: str) -> None:
+        try:
+            try:
+                self.hotdir.unlink(pin)
+            except IsADirectoryError:
+                self.hotdir.rmdir(pin)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # bookkeeping of a FORGET or RELEASE: logged, never a failed request
+            log.warning("could not remove %s/%s: %s", self.hot, pin, e)
+
+    def _pin(self, rel: str, st: os.stat_result, by_link: bool = False) -> None:
+        """`rel` is the last name of the file (or empty directory) `st`, and it is about to go: its last link
+        moves to its pin (by rename now; or, with `by_link`, as a second link before a rename over `rel`), so its
+        st_ino stays taken while the kernel may hold the inode. Call `inodes.pinned` once the name is gone."""
+        pin = pin_path(st.st_ino)
+        if by_link:
+            self._unpin(pin)  # a pin left by an inode of the same st_ino (dropped, then its unlink failed)
+            self.hotdir.link(rel, pin)
+        else:
+            self.hotdir.rename(rel, pin)
 
     def describe(self, args: tuple) -> str:
         """Best-effort path of a request's inode or handle, for log lines."""
@@ -157,7 +186,8 @@ class TierOperations(pyfuse3.Operations):
         e.entry_timeout = self.timeout
         e.attr_timeout = self.timeout
         e.st_mode = st.st_mode
-        e.st_nlink = st.st_nlink
+        # a pinned inode's one link is its pin, which is no name of it (a stale one's attributes are another file's)
+        e.st_nlink = 0 if inode in self.inodes.pins and inode not in self.inodes.stale else st.st_nlink
         e.st_uid = st.st_uid
         e.st_gid = st.st_gid
         e.st_rdev = st.st_rdev
@@ -191,9 +221,9 @@ class TierOperations(pyfuse3.Operations):
         stale = self.inodes.stale.get(inode)
         if stale is not None:  # its name went to a newer file behind the kernel's back: that file's attributes
             return self.hotdir.lstat(stale)
-        st = self._unlinked_stat.get(inode)
-        if st is not None:  # unlinked and closed, but the kernel still holds it (e.g. to flush its ctime)
-            return st
+        pin = self.inodes.pins.get(inode)
+        if pin is not None:  # unlinked and closed, but the kernel still holds it (e.g. to flush its ctime)
+            return self.hotdir.lstat(pin)
         raise pyfuse3.FUSEError(errno.ENOENT)
 
     def _chown_new(self, rel: str, ctx: pyfuse3.RequestContext, fd: int | None = None) -> None:
@@ -253,8 +283,6 @@ class TierOperations(pyfuse3.Operations):
         for inode, n in inode_list:
             if not control.ControlDir.owns(inode):
                 self.inodes.forget(inode, n)
-                if inode not in self.inodes.paths:
-                    self._unlinked_stat.pop(inode, None)
 
     @_handler("getattr")
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
@@ -269,11 +297,12 @@ class TierOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         fd = fh if fh is not None and fh in self._fh_inode else None
         rel = self.inodes.path(inode)
+        if rel is None:
+            rel = self.inodes.pins.get(inode)  # unlinked: its pin is the same inode
         if fd is None and rel is None:
             fd = self.inodes.any_fd(inode)
-            if fd is None and inode in self._unlinked_stat:
-                return self._attrs(self._unlinked_stat[inode], inode)  # nothing left to change on disk
-        rel = rel if fd is not None else self._rel(inode)
+        if fd is None and rel is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
         if fields.update_size:
             if self.engine is not None:
                 await self.engine.truncate_barrier(inode)
@@ -405,31 +434,46 @@ class TierOperations(pyfuse3.Operations):
         rel = self._child(parent, name)
         st = self.hotdir.lstat(rel)
         ino = self.inodes.ino_of(st)
-        self.hotdir.unlink(rel)
-        self.inodes.unlinked(ino, rel)
         if st.st_nlink <= 1:
-            self._unlinked_stat[ino] = st
+            self._pin(rel, st)
+            self.inodes.unlinked(ino, rel)
+            self.inodes.pinned(ino, pin_path(st.st_ino))
+        else:
+            self.hotdir.unlink(rel)
+            self.inodes.unlinked(ino, rel)
         if self.engine is not None:
             await self.engine.on_unlink(rel, ino, self.inodes.any_fd(ino) if st.st_nlink <= 1 else None)
 
     @_handler("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent, name)
-        ino = self.inodes.ino_of(self.hotdir.lstat(rel))
-        self.hotdir.rmdir(rel)
+        st = self.hotdir.lstat(rel)
+        if not stat.S_ISDIR(st.st_mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if self.hotdir.listdir(rel):
+            raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        self._pin(rel, st)  # nothing else creates names in the hot dir meanwhile: this loop is its one writer
+        ino = self.inodes.ino_of(st)
         self.inodes.unlinked(ino, rel)
+        self.inodes.pinned(ino, pin_path(st.st_ino))
 
     @_handler("rename")
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, flags: int,
                      ctx: pyfuse3.RequestContext) -> None:
         old = self._child(parent_old, name_old)
         new = self._child(parent_new, name_new)
-        is_dir = stat.S_ISDIR(self.hotdir.lstat(old).st_mode)
+        old_st = self.hotdir.lstat(old)
+        is_dir = stat.S_ISDIR(old_st.st_mode)
         try:
             replaced = self.hotdir.lstat(new)
         except FileNotFoundError:
             replaced = None
-        self.hotdir.rename(old, new, flags)
+        # RENAME_NOREPLACE fails and RENAME_EXCHANGE keeps both: only a plain rename takes a file's last name
+        pin = replaced is not None and not flags & 3 and replaced.st_nlink <= 1 and replaced.st_ino != old_st.st_ino
+        if pin:
+            self._rename_over(old, new, old_st, replaced)  # type: ignore[arg-type]
+        else:
+            self.hotdir.rename(old, new, flags)
         if flags & 2:  # RENAME_EXCHANGE: both names stay, swapped
             tmp = "\0exchange"
             self.inodes.renamed(old, tmp, is_dir)
@@ -437,6 +481,8 @@ class TierOperations(pyfuse3.Operations):
             self.inodes.renamed(tmp, new, is_dir)
         else:
             self.inodes.renamed(old, new, is_dir)
+        if pin:
+            self.inodes.pinned(self.inodes.ino_of(replaced), pin_path(replaced.st_ino))  # type: ignore[union-attr]
         if self.engine is not None and not is_dir:
             if not flags & 2 and replaced is not None:
                 ino = self.inodes.ino_of(replaced)
@@ -444,13 +490,38 @@ class TierOperations(pyfuse3.Operations):
                 await self.engine.on_unlink(new, ino, held)
             await self.engine.on_rename(old, new)
 
+    def _rename_over(self, old: str, new: str, old_st: os.stat_result, replaced: os.stat_result) -> None:
+        """rename(old, new) where `new` is the last name of another file or directory: pin that one first."""
+        if not stat.S_ISDIR(replaced.st_mode):
+            self._pin(new, replaced, by_link=True)  # a second link first: the rename stays one atomic step
+            try:
+                self.hotdir.rename(old, new)
+            except BaseException:
+                self._unpin(pin_path(replaced.st_ino))
+                raise
+            return
+        # a directory has no second link: check what rename(2) would, move it to its pin, then rename
+        if not stat.S_ISDIR(old_st.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if self.hotdir.listdir(new):
+            raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        self._pin(new, replaced)
+        try:
+            self.hotdir.rename(old, new)
+        except BaseException:
+            self.hotdir.rename(pin_path(replaced.st_ino), new)
+            raise
+
     def name_gone(self, rel: str, old: os.stat_result) -> int | None:
         """The daemon itself removed `rel` or gave it to another file (a following mount's refresh). The inode
-        that had the name loses it, as in an unlink or a rename over it. Returns an fd held open on that inode,
-        through which its readers go on, or None."""
+        that had the name loses it, as in an unlink or a rename over it (the follower pinned it if that was its
+        last name). Returns an fd held open on that inode, through which its readers go on, or None."""
         ino = self.inodes.ino_of(old)
         self.inodes.replaced(ino, rel)
-        return self.inodes.any_fd(ino)
+        held = self.inodes.any_fd(ino)
+        if old.st_nlink <= 1:
+            self.inodes.pinned(ino, pin_path(old.st_ino))
+        return held
 
     # ---------------------------------------------------------------- files
 
