@@ -170,6 +170,45 @@ def test_takeover_after_kill9_and_lost_hot_dir(tmp_path, mount_store, cleanup_li
     assert consume(b.mnt / "again", "--expect-messages", "500")["messages"] == 500
 
 
+def _cq_file(path: Path, units: int, tag: int) -> None:
+    """A ConsumeQueue file the broker's way: preallocated (sparse) to 6,000 units, `units` of them written."""
+    with open(path, "wb") as f:
+        f.truncate(6000 * 20)
+        f.write(b"".join(struct.pack(">qiq", i * 100, 100, tag) for i in range(units)))
+
+
+def test_a_file_made_again_at_a_freed_inode_gets_a_tail_of_its_own(tmp_path, mount_store, cleanup_list):
+    """A ConsumeQueue deleted and made again (a topic deleted and created again) gets the st_ino the old one
+    freed, at the same name. The continuous uploads' tail of the old file was kept by st_ino and became the new
+    file's: the first round after uploaded only the new writes over the old file's objects, and a takeover
+    served the old file's units past the new file's end."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo5,tiering.rpo_seconds={RPO},"
+                       f"lease.ttl_seconds=60"]
+    a = mount_store(options=opts)
+    rel = "consumequeue/TopicR/0/00000000000000000000"
+    (a.mnt / rel).parent.mkdir(parents=True)
+    _cq_file(a.mnt / rel, 3000, 1)
+    wait_round_after(a, time.time())
+    old_ino = os.stat(a.hot / rel).st_ino
+    os.unlink(a.mnt / rel)
+    pinned = a.hot / ".tierfs" / "unlinked"
+    wait_for(lambda: not os.listdir(pinned), timeout=30, what="the kernel to forget the deleted file")
+    _cq_file(a.mnt / rel, 1000, 2)
+    reused = os.stat(a.hot / rel).st_ino == old_ino  # ext4 gives the freed st_ino to the next file
+    want = (a.hot / rel).read_bytes()
+    assert len(want) == 6000 * 20 and want[20000:] == bytes(len(want) - 20000)
+    wait_round_after(a, time.time())
+    a.kill(signal.SIGKILL)
+    shutil.rmtree(a.hot)
+    b, _ = takeover(tmp_path, f"file://{objects}/rpo5", opts, "b")
+    cleanup_list.append(b)
+    got = _read_uncached(b.mnt / rel)
+    assert got == want, (f"st_ino reused: {reused}; {sum(x != y for x, y in zip(got, want))} bytes differ, "
+                         f"first at {next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)}")
+
+
 def test_old_writer_fenced_after_takeover(tmp_path, mount_store, cleanup_list):
     """The old writer, paused while a takeover overrides its lease and then resumed, is fenced: its pointer
     writes, uploads and deletes are refused by the lease epoch in the store, and it logs so."""

@@ -29,9 +29,9 @@ def pin_path(st_ino: int) -> str:
 
 
 class InodeTable:
-    def __init__(self, root_ino: int, unpin: Callable[[str], None]):
+    def __init__(self, root_ino: int, unpin: Callable[[int, str], None]):
         self._root_ino = root_ino
-        self._unpin = unpin  # removes a pin's last link (a file or an empty directory), once the inode is dropped
+        self._unpin = unpin  # (inode, pin): frees a dropped inode's st_ino (removes the pin, its last link)
         self.paths: dict[int, set[str]] = {ROOT: {""}}
         self.by_path: dict[str, int] = {"": ROOT}
         self.lookups: dict[int, int] = {ROOT: 1}
@@ -76,7 +76,7 @@ class InodeTable:
                 del self.by_path[p]
         pin = self.pins.pop(inode, None)
         if pin is not None:
-            self._unpin(pin)  # only now may the file system give its st_ino to another file
+            self._unpin(inode, pin)  # only now may the file system give its st_ino to another file
 
     def pinned(self, inode: int, pin: str) -> None:
         """`inode` lost its last name and its last link is `pin` now: kept until it is dropped (at once if

@@ -127,9 +127,16 @@ class TierOperations(pyfuse3.Operations):
         """A new mount: no kernel holds any inode yet, so what a previous daemon pinned can go."""
         os.makedirs(self.pinned_dir, mode=0o700, exist_ok=True)
         for name in os.listdir(self.pinned_dir):
-            self._unpin(f"{PINNED_DIR}/{name}")
+            self._remove_pin(f"{PINNED_DIR}/{name}")
 
-    def _unpin(self, pin: str) -> None:
+    def _unpin(self, inode: int, pin: str) -> None:
+        """The kernel and every fd are done with an inode that has no name: what the engine keeps by its st_ino
+        goes first, then the pin, after which the file system may give that st_ino to a new file."""
+        if self.engine is not None:
+            self.engine.inode_freed(inode)
+        self._remove_pin(pin)
+
+    def _remove_pin(self, pin: str) -> None:
         try:
             try:
                 self.hotdir.unlink(pin)
@@ -146,7 +153,7 @@ class TierOperations(pyfuse3.Operations):
         st_ino stays taken while the kernel may hold the inode. Call `inodes.pinned` once the name is gone."""
         pin = pin_path(st.st_ino)
         if by_link:
-            self._unpin(pin)  # a pin left by an inode of the same st_ino (dropped, then its unlink failed)
+            self._remove_pin(pin)  # left by an inode of the same st_ino (dropped, then its unlink failed)
             self.hotdir.link(rel, pin)
         else:
             self.hotdir.rename(rel, pin)
@@ -497,7 +504,7 @@ class TierOperations(pyfuse3.Operations):
             try:
                 self.hotdir.rename(old, new)
             except BaseException:
-                self._unpin(pin_path(replaced.st_ino))
+                self._remove_pin(pin_path(replaced.st_ino))
                 raise
             return
         # a directory has no second link: check what rename(2) would, move it to its pin, then rename

@@ -302,6 +302,15 @@ class AppendLog:
         if t is not None and n:
             t.dirty.append((off, off + n))
 
+    def inode_freed(self, ino: int) -> None:
+        """The file of `ino` is gone for good: its tail must not become the tail of a new file that gets the same
+        st_ino (and maybe the same name: a ConsumeQueue of a topic deleted and made again) before the next round
+        sees it gone. Its objects go as when a round finds the file gone."""
+        t = self.tails.pop(ino, None)
+        if t is not None:
+            self._retire(t)
+        self.pending.pop(ino, None)
+
     def note_truncate(self, ino: int, size: int) -> None:
         self.note_write(ino, None, size, 0)
         t = self.tails.get(ino)
@@ -581,6 +590,10 @@ class AppendLog:
                 self.put_failures += 1
                 failed.add(t.ino)
                 error = error or e
+                continue
+            if self.tails.get(t.ino) is not t:  # its file went for good meanwhile (inode_freed)
+                for o in objs:
+                    self.retired[o.key] = time.time()
                 continue
             t.uploaded = True
             if objs:

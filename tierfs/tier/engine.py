@@ -322,6 +322,15 @@ class Engine:
         self.last_write[ino] = time.monotonic()
         self.write_seq[ino] = self.write_seq.get(ino, 0) + 1
 
+    def inode_freed(self, ino: int) -> None:
+        """The hot-dir inode `ino` is gone for good (no name, no fd, forgotten by the kernel) and the file system
+        may give its st_ino to the next file: nothing kept by st_ino may carry over to that file. (write_seq
+        stays: it only ever moves forward, which is all an upload in flight compares.)"""
+        self.last_write.pop(ino, None)
+        self.last_fsync.pop(ino, None)
+        if self.appendlog is not None:
+            self.appendlog.inode_freed(ino)
+
     def note_fsync(self, ino: int, rel: str) -> None:
         self.last_fsync[ino] = time.monotonic()
         self.sealer.fsynced(rel, ino)
