@@ -294,6 +294,57 @@ def test_mutated_segment_never_raises(msgs, data):
         pass
 
 
+def reference_sealed_end(buf, file_size: int, check_crc: bool = False, file_start: int | None = None):
+    """The record-by-record seal walk that the vectorized one replaced, kept as its oracle."""
+    mv = memoryview(buf).cast("B")
+    msg_end, pos = file_size - cl.BLANK_SIZE, 0
+    try:
+        while pos <= msg_end:
+            total, magic = struct.unpack_from(">ii", mv, pos)
+            if magic == cl.BLANK_MAGIC:
+                return pos if total == file_size - pos else None
+            if magic not in (cl.MAGIC_V1, cl.MAGIC_V2):
+                return None
+            lay = cl._message_layout(mv, pos, total, 1 if magic == cl.MAGIC_V1 else 2, msg_end)
+            if lay is None or (check_crc and not cl._crc_ok(mv, pos, lay[3], lay[4])):
+                return None
+            if file_start is not None and struct.unpack_from(">q", mv, pos + cl.PHYSICAL_OFFSET_POSITION)[0] \
+                    != file_start + pos:
+                return None
+            pos += total
+    except struct.error:
+        return None
+    return None
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(messages(), min_size=1, max_size=6), st.data())
+def test_vectorized_seal_walk_agrees_with_the_record_by_record_walk(msgs, data):
+    """Bytes changed where the lengths live (each record's head, SYSFLAG, BODYLENGTH, its last bytes: topic and
+    properties lengths) or anywhere: the same verdict as the record-by-record walk, for every option."""
+    start = 1 << 30
+    buf, blank = build_segment(msgs, 4096, start)
+    lengths = []  # where each record keeps a length: TOTALSIZE, magic, SYSFLAG, BODYLENGTH, topic, properties
+    for p, r in cl.iter_records(buf, 0):
+        lay = cl._message_layout(buf, p, len(cl.encode_message(r)), r.version, len(buf)) \
+            if isinstance(r, cl.Message) else None
+        lengths += [p + k for k in range(8)]
+        if lay is not None:
+            lengths += [p + cl.SYSFLAG_POSITION + k for k in range(4)] + [p + lay[3] - 4 + k for k in range(4)]
+            lengths += [p + lay[5] - 2, p + lay[5] - 1, p + lay[7] - 2, p + lay[7] - 1]
+    for _ in range(data.draw(st.integers(0, 3))):
+        i = data.draw(st.sampled_from(lengths)) if data.draw(st.booleans()) else data.draw(st.integers(0, 4095))
+        buf[i] = (buf[i] + data.draw(st.sampled_from([-2, -1, 1, 2, 0x40, 0x80]))) & 0xFF  # one length a bit off
+    batch, cl._CHECK_BATCH = cl._CHECK_BATCH, data.draw(st.sampled_from([1, 2, 3, cl._CHECK_BATCH]))
+    try:  # records are checked in runs of _CHECK_BATCH: a run may end anywhere
+        for check_crc in (False, True):
+            for file_start in (None, start):
+                assert cl.sealed_commitlog_end(buf, 4096, check_crc=check_crc, file_start=file_start) \
+                    == reference_sealed_end(buf, 4096, check_crc, file_start)
+    finally:
+        cl._CHECK_BATCH = batch
+
+
 def test_garbage_non_buffers():
     assert cl.decode_record(None, 0) is None
     assert cl.sealed_commitlog_end(None, 100) is None

@@ -12,6 +12,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
+import numpy as np
+
 __all__ = [
     "MAGIC_V1",
     "MAGIC_V2",
@@ -502,6 +504,10 @@ def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_s
     1 GiB ``mmap``/``memoryview``; *check_crc* also verifies each BODYCRC (no copies either way).
     With *file_start*, every PHYSICALOFFSET must equal ``file_start + pos``.
     Garbage never raises: it yields ``None``.
+
+    The hop from record to record (TOTALSIZE, magic) is the only sequential part; the lengths inside each record
+    are then checked for all records at once (`_layouts_ok`): a 1 GiB segment of 1 KiB messages is a million
+    records, and checking each one's layout in Python took the sealer over a second of GIL-holding CPU.
     """
     try:
         if not isinstance(file_size, int) or file_size < BLANK_SIZE or len(buf) < file_size:
@@ -519,29 +525,84 @@ def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_s
         msg_end = file_size - BLANK_SIZE
         pos = 0
         unpack_ii = _II.unpack_from
-        unpack_q = _Q.unpack_from
-        layout = _message_layout
+        starts: list[int] = []
+        v2: list[int] = []  # starts of the MAGIC_V2 records (2-byte topic length)
+        blank = None
         try:
             while pos <= msg_end:
                 total, magic = unpack_ii(mv, pos)
-                if magic == MAGIC_V1:
-                    lay = layout(mv, pos, total, 1, msg_end)
-                elif magic == MAGIC_V2:
-                    lay = layout(mv, pos, total, 2, msg_end)
-                elif magic == BLANK_MAGIC:
-                    return pos if total == file_size - pos else None
-                else:
+                if magic == BLANK_MAGIC:
+                    if total != file_size - pos:
+                        return None
+                    blank = pos
+                    break
+                if magic == MAGIC_V2:
+                    v2.append(pos)
+                elif magic != MAGIC_V1:
                     return None
-                if lay is None:
+                if total < 91 or pos + total > msg_end:
                     return None
-                if check_crc and not _crc_ok(mv, pos, lay[3], lay[4]):
-                    return None
-                if file_start is not None and unpack_q(mv, pos + PHYSICAL_OFFSET_POSITION)[0] != file_start + pos:
-                    return None
+                starts.append(pos)
                 pos += total
-        except (struct.error, ValueError, IndexError, TypeError):
+                if len(starts) == _CHECK_BATCH:  # memory stays small for any number of records
+                    if not _records_ok(mv, file_size, starts, v2, pos, check_crc, file_start):
+                        return None
+                    starts, v2 = [], []
+        except struct.error:
             return None
+        if blank is None or (starts and not _records_ok(mv, file_size, starts, v2, blank, check_crc, file_start)):
+            return None
+        return blank
+
+
+_CHECK_BATCH = 1 << 16  # records checked at once by _records_ok: ~10 MB of arrays
+
+
+def _records_ok(mv: memoryview, file_size: int, starts: list[int], v2: list[int], end: int, check_crc: bool,
+                file_start: int | None) -> bool:
+    """The checks of a run of records the hop found (the last one ends at `end`), at once. (The arrays over `mv`
+    die with this frame, before the caller releases `mv`.)"""
+    a = np.frombuffer(mv, dtype=np.uint8, count=file_size)
+    at = np.array(starts, dtype=np.int64)
+    wide = np.isin(at, np.array(v2, dtype=np.int64)) if v2 else np.zeros(len(at), dtype=bool)
+    ok = _layouts_ok(a, at, np.append(at[1:], end) - at, wide, check_crc)
+    if ok is None:
+        return False
+    if file_start is not None and not np.array_equal(_be(a, at + PHYSICAL_OFFSET_POSITION, 8, True),
+                                                      at + file_start):
+        return False
+    return not check_crc or all(_crc_ok(mv, int(p), int(b), int(n)) for p, b, n in zip(at, *ok))
+
+
+def _be(a: np.ndarray, idx: np.ndarray, width: int, signed: bool) -> np.ndarray:
+    """Big-endian integers of `width` bytes at byte offsets `idx` of `a`, one gather of `width` adjacent bytes
+    per offset (offsets clipped into `a`: a record whose lengths point outside is rejected by its own checks,
+    not by an IndexError)."""
+    idx = np.minimum(np.maximum(idx, 0), len(a) - width)
+    raw = a[idx[:, None] + np.arange(width)]
+    return raw.view(f">{'i' if signed else 'u'}{width}").ravel().astype(np.int64)
+
+
+def _layouts_ok(a: np.ndarray, pos: np.ndarray, total: np.ndarray, wide: np.ndarray, need_body: bool):
+    """`_message_layout` for every record at once: None if any record's lengths disagree with its TOTALSIZE,
+    else (body offsets, body lengths) relative to each record (for the crc check). Four gathers: the records
+    are far apart, so each one costs a cache miss per record, and fewer gathers is what makes this fast."""
+    flags = _be(a, pos + SYSFLAG_POSITION + 3, 1, False)  # the host-v6 flags are in SYSFLAG's low byte
+    body_off = 72 + np.where(flags & BORNHOST_V6_FLAG, 20, 8) + np.where(flags & STOREHOSTADDRESS_V6_FLAG, 20, 8)
+    tl_size = np.where(wide, 2, 1)
+    ok = total >= body_off + tl_size + 2
+    body_len = _be(a, pos + body_off - 4, 4, True)
+    tl_off = body_off + body_len
+    ok &= (body_len >= 0) & (tl_off + tl_size + 2 <= total)
+    topic2 = _be(a, pos + tl_off, 2, True)
+    topic_len = np.where(wide, topic2, topic2 >> 8)  # MAGIC_V1: a signed byte, the first of the two
+    pl_off = tl_off + tl_size + topic_len
+    ok &= (topic_len >= 0) & (pl_off + 2 <= total)
+    props_len = _be(a, pos + pl_off, 2, True)
+    ok &= (props_len >= 0) & (pl_off + 2 + props_len == total)
+    if not ok.all():
         return None
+    return (body_off, body_len) if need_body else ()
 
 
 def complete_records_end(buf, pos: int, *, buf_offset: int, file_start: int, file_size: int,
