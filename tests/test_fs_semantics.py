@@ -505,10 +505,36 @@ def test_a_new_file_never_gets_the_inode_of_one_the_kernel_still_holds(mounted):
         os.close(held)
         if d_held is not None:
             os.close(d_held)
+    # a rename over a last name (a config file's .tmp renamed over it; an empty directory) pins the one replaced
+    conf, tmp = mounted.path("topics.json"), mounted.path("topics.json.tmp")
+    conf.write_bytes(b"old")
+    held = os.open(conf, os.O_PATH)
+    d_held = None
+    try:
+        tmp.write_bytes(b"new!")
+        os.rename(tmp, conf)
+        assert conf.read_bytes() == b"new!" and os.fstat(held).st_nlink == 0
+        other = mounted.path("other")
+        other.write_bytes(b"x")
+        assert os.stat(other).st_ino != os.fstat(held).st_ino
+        d_old, d_new = mounted.path("TopicC"), mounted.path("TopicD")
+        d_old.mkdir()
+        d_new.mkdir()
+        (d_new / "1").write_bytes(b"r")
+        d_held = os.open(d_old, os.O_PATH)
+        assert _errno_of(os.rename, d_old, d_new) == errno.ENOTEMPTY
+        os.rename(d_new, d_old)
+        assert os.listdir(d_old) == ["1"] and not d_new.exists()
+        mounted.path("TopicE").mkdir()
+        assert os.stat(mounted.path("TopicE")).st_ino != os.fstat(d_held).st_ino
+    finally:
+        os.close(held)
+        if d_held is not None:
+            os.close(d_held)
     # the pins go once the kernel has forgotten the inodes
     pinned = mounted.hot / ".tierfs" / "unlinked"
     wait_for(lambda: not os.listdir(pinned), 30, what="pinned inodes to be released after the kernel forgot them")
-    assert hot_names(mounted) == {"00000000000000001000", "TopicB"}
+    assert hot_names(mounted) == {"00000000000000001000", "TopicB", "topics.json", "other", "TopicC", "TopicE"}
 
 
 def test_directory_with_10000_entries(mounted):

@@ -476,7 +476,8 @@ class TierOperations(pyfuse3.Operations):
         except FileNotFoundError:
             replaced = None
         # RENAME_NOREPLACE fails and RENAME_EXCHANGE keeps both: only a plain rename takes a file's last name
-        pin = replaced is not None and not flags & 3 and replaced.st_nlink <= 1 and replaced.st_ino != old_st.st_ino
+        pin = replaced is not None and not flags & 3 and replaced.st_ino != old_st.st_ino \
+            and (replaced.st_nlink <= 1 or stat.S_ISDIR(replaced.st_mode))  # a directory has no other name
         if pin:
             self._rename_over(old, new, old_st, replaced)  # type: ignore[arg-type]
         else:
