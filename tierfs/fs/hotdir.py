@@ -14,6 +14,14 @@ from __future__ import annotations
 import ctypes
 import os
 
+PINNED_DIR = ".tierfs/unlinked"  # below the hot dir; the root's .tierfs is the control dir through the mount
+
+
+def pin_path(st_ino: int) -> str:
+    """Where a file or directory that lost its last name keeps its link (and so its st_ino): fs/inodes.py."""
+    return f"{PINNED_DIR}/{st_ino}"
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
 
@@ -74,6 +82,41 @@ class HotDir:
         if _libc.renameat2(self.fd, os.fsencode(old), self.fd, os.fsencode(new), flags) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e), old, None, new)
+
+    def remove_pinned(self, rel: str) -> os.stat_result | None:
+        """Blocking: remove the name `rel`; a file's last link moves to its pin instead. Its stat (None if it was
+        not there)."""
+        try:
+            st = self.lstat(rel)
+            if st.st_nlink <= 1:
+                self.rename(rel, pin_path(st.st_ino))
+            else:
+                self.unlink(rel)
+        except FileNotFoundError:
+            return None
+        return st
+
+    def replace_pinned(self, src: str, rel: str) -> os.stat_result | None:
+        """Blocking: rename file `src` over `rel`; if that was the last name of another file, that one gets a
+        second link at its pin first (the rename stays one atomic step). The stat of what `rel` named, if any."""
+        try:
+            old = self.lstat(rel)
+        except FileNotFoundError:
+            old = None
+        pin = pin_path(old.st_ino) if old is not None and old.st_nlink <= 1 else None
+        if pin is not None:
+            try:
+                self.link(rel, pin)
+            except FileExistsError:  # left by a dropped inode of the same st_ino whose pin could not be removed
+                self.unlink(pin)
+                self.link(rel, pin)
+        try:
+            self.rename(src, rel)
+        except BaseException:
+            if pin is not None:
+                self.unlink(pin)
+            raise
+        return old
 
     def chmod(self, rel: str, mode: int) -> None:
         os.chmod(_at(rel), mode, dir_fd=self.fd)

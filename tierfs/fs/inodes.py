@@ -9,8 +9,8 @@ to the next file it creates, and the kernel still holds the old inode until it F
 its RELEASE; the inode stays cached until that RELEASE is answered). A new file given the same node id would be
 merged with the old inode, its page cache and size included, and the daemon would serve it from the old file's
 state. So a file or directory that loses its last name while the kernel or an fd may still hold it is *pinned*:
-its last link moves to PINNED_DIR/<st_ino>, and the link goes only when the kernel has forgotten it and the last
-fd is closed (`_drop_inode`). Pins left by a daemon that died are cleared at the next mount.
+its last link moves to hotdir.PINNED_DIR/<st_ino>, and the link goes only when the kernel has forgotten it and the
+last fd is closed (`_drop_inode`). Pins left by a daemon that died are cleared at the next mount.
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ from collections.abc import Callable
 import pyfuse3
 
 ROOT = pyfuse3.ROOT_INODE
-PINNED_DIR = ".tierfs/unlinked"  # below the hot dir; the root's .tierfs is the control dir through the mount
-
-
-def pin_path(st_ino: int) -> str:
-    return f"{PINNED_DIR}/{st_ino}"
 
 
 class InodeTable:

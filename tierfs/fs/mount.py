@@ -274,7 +274,8 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         engine.appendlog.open_inodes = ops.open_inodes
     if engine is not None and engine.follower is not None:  # a refresh swaps and removes files behind the kernel
         engine.follower.name_gone = ops.name_gone
-        engine.follower.pinned = Path(ops.pinned_dir)
+        engine.follower.replace_name = ops.hotdir.replace_pinned
+        engine.follower.remove_name = ops.hotdir.remove_pinned
     from tierfs.fs.views import install_views  # noqa: PLC0415 (keeps the import graph one-way)
 
     install_views(ops, paths, config)

@@ -26,8 +26,8 @@ from tierfs import failpoints
 from tierfs.config import Config
 from tierfs.fs import control
 from tierfs.fs.control import ControlDir
-from tierfs.fs.hotdir import HotDir
-from tierfs.fs.inodes import PINNED_DIR, ROOT, InodeTable, pin_path
+from tierfs.fs.hotdir import PINNED_DIR, HotDir, pin_path
+from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
 from tierfs.store.paths import classify
@@ -105,7 +105,6 @@ class TierOperations(pyfuse3.Operations):
         self.stats = stats or FsStats()
         self.local = LocalReader()
         self.inodes = InodeTable(os.lstat(self.hot).st_ino, self._unpin)
-        self.pinned_dir = os.path.join(self.hot, PINNED_DIR)  # files that lost their last name (inodes.py)
         self._clear_pins()
         self.control = ControlDir(os.getuid(), os.getgid())
         self._fh_inode: dict[int, int] = {}
@@ -125,8 +124,9 @@ class TierOperations(pyfuse3.Operations):
 
     def _clear_pins(self) -> None:
         """A new mount: no kernel holds any inode yet, so what a previous daemon pinned can go."""
-        os.makedirs(self.pinned_dir, mode=0o700, exist_ok=True)
-        for name in os.listdir(self.pinned_dir):
+        pinned = os.path.join(self.hot, PINNED_DIR)  # files that lost their last name (inodes.py)
+        os.makedirs(pinned, mode=0o700, exist_ok=True)
+        for name in os.listdir(pinned):
             self._remove_pin(f"{PINNED_DIR}/{name}")
 
     def _unpin(self, inode: int, pin: str) -> None:
@@ -147,16 +147,6 @@ class TierOperations(pyfuse3.Operations):
         except OSError as e:  # bookkeeping of a FORGET or RELEASE: logged, never a failed request
             log.warning("could not remove %s/%s: %s", self.hot, pin, e)
 
-    def _pin(self, rel: str, st: os.stat_result, by_link: bool = False) -> None:
-        """`rel` is the last name of the file (or empty directory) `st`, and it is about to go: its last link
-        moves to its pin (by rename now; or, with `by_link`, as a second link before a rename over `rel`), so its
-        st_ino stays taken while the kernel may hold the inode. Call `inodes.pinned` once the name is gone."""
-        pin = pin_path(st.st_ino)
-        if by_link:
-            self._remove_pin(pin)  # left by an inode of the same st_ino (dropped, then its unlink failed)
-            self.hotdir.link(rel, pin)
-        else:
-            self.hotdir.rename(rel, pin)
 
     def describe(self, args: tuple) -> str:
         """Best-effort path of a request's inode or handle, for log lines."""
@@ -439,15 +429,13 @@ class TierOperations(pyfuse3.Operations):
     @_handler("unlink")
     async def unlink(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         rel = self._child(parent, name)
-        st = self.hotdir.lstat(rel)
+        st = self.hotdir.remove_pinned(rel)
+        if st is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self.inodes.ino_of(st)
+        self.inodes.unlinked(ino, rel)
         if st.st_nlink <= 1:
-            self._pin(rel, st)
-            self.inodes.unlinked(ino, rel)
             self.inodes.pinned(ino, pin_path(st.st_ino))
-        else:
-            self.hotdir.unlink(rel)
-            self.inodes.unlinked(ino, rel)
         if self.engine is not None:
             await self.engine.on_unlink(rel, ino, self.inodes.any_fd(ino) if st.st_nlink <= 1 else None)
 
@@ -459,7 +447,7 @@ class TierOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if self.hotdir.listdir(rel):
             raise pyfuse3.FUSEError(errno.ENOTEMPTY)
-        self._pin(rel, st)  # nothing else creates names in the hot dir meanwhile: this loop is its one writer
+        self.hotdir.rename(rel, pin_path(st.st_ino))  # nothing else adds names meanwhile: this loop is the writer
         ino = self.inodes.ino_of(st)
         self.inodes.unlinked(ino, rel)
         self.inodes.pinned(ino, pin_path(st.st_ino))
@@ -501,19 +489,14 @@ class TierOperations(pyfuse3.Operations):
     def _rename_over(self, old: str, new: str, old_st: os.stat_result, replaced: os.stat_result) -> None:
         """rename(old, new) where `new` is the last name of another file or directory: pin that one first."""
         if not stat.S_ISDIR(replaced.st_mode):
-            self._pin(new, replaced, by_link=True)  # a second link first: the rename stays one atomic step
-            try:
-                self.hotdir.rename(old, new)
-            except BaseException:
-                self._remove_pin(pin_path(replaced.st_ino))
-                raise
+            self.hotdir.replace_pinned(old, new)
             return
         # a directory has no second link: check what rename(2) would, move it to its pin, then rename
         if not stat.S_ISDIR(old_st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if self.hotdir.listdir(new):
             raise pyfuse3.FUSEError(errno.ENOTEMPTY)
-        self._pin(new, replaced)
+        self.hotdir.rename(new, pin_path(replaced.st_ino))
         try:
             self.hotdir.rename(old, new)
         except BaseException:

@@ -56,40 +56,6 @@ def apply_order(rel: str) -> tuple[int, str]:
     return _ORDER.get(classify(rel), 3), rel
 
 
-def _replace(tmp: Path, dst: Path, pinned: Path | None) -> os.stat_result | None:
-    """Blocking: rename tmp over dst; the stat of the file dst named before, if any. A file losing its last name
-    gets a second link in `pinned` first (its st_ino stays taken while the kernel may hold it: fs/inodes.py)."""
-    try:
-        old = os.lstat(dst)
-    except FileNotFoundError:
-        old = None
-    pin = pinned / str(old.st_ino) if old is not None and pinned is not None and old.st_nlink <= 1 else None
-    if pin is not None:
-        pin.unlink(missing_ok=True)
-        os.link(dst, pin)
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        if pin is not None:
-            pin.unlink(missing_ok=True)
-        raise
-    return old
-
-
-def _unlink(p: Path, pinned: Path | None) -> os.stat_result | None:
-    """Blocking: unlink p (a last name moves to `pinned`, as in `_replace`); its stat, or None if it was not
-    there."""
-    try:
-        old = os.lstat(p)
-        if pinned is not None and old.st_nlink <= 1:
-            os.rename(p, pinned / str(old.st_ino))
-        else:
-            os.unlink(p)
-    except FileNotFoundError:
-        return None
-    return old
-
-
 @dataclasses.dataclass
 class _Plan:
     """What one refresh changes, computed in a worker thread from the new snapshot."""
@@ -113,10 +79,14 @@ class Follower:
         self.last_refresh = 0.0
         self.staging = engine.state_dir / "follow-staging"
         self.staged = 0
+        # set by the FUSE layer (its HotDir), blocking, paths relative to the hot dir: rename a file over a name
+        # and remove a name, each keeping the file that loses its last name pinned (fs/inodes.py); both return
+        # the stat of the file the name had, or None
+        self.replace_name: Callable[[str, str], os.stat_result | None] | None = None
+        self.remove_name: Callable[[str], os.stat_result | None] | None = None
         # set by the FUSE layer: a name the daemon removed or gave to another file (the stat of the file that had
-        # it, whose last link is in `pinned` then); returns an fd held open on that file, or None
+        # it); returns an fd held open on that file, or None
         self.name_gone: Callable[[str, os.stat_result], int | None] | None = None
-        self.pinned: Path | None = None
 
     def status(self) -> dict:
         return {"follow_every_s": self.every, "seq": self.seq, "refreshes": self.refreshes,
@@ -262,7 +232,8 @@ class Follower:
         old = eng.entries.get(rel)
         await failpoints.pause("follow.swap")
         try:
-            old_st = await trio.to_thread.run_sync(_replace, tmp, eng.hot / rel, self.pinned)
+            assert self.replace_name is not None
+            old_st = await trio.to_thread.run_sync(self.replace_name, str(tmp.relative_to(eng.hot)), rel)
         except BaseException:
             if new is not None:
                 eng.drop(new)
@@ -280,7 +251,8 @@ class Follower:
         old = eng.entries.get(rel)
         if old is not None:
             await eng.db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
-        old_st = await trio.to_thread.run_sync(_unlink, eng.hot / rel, self.pinned)
+        assert self.remove_name is not None
+        old_st = await trio.to_thread.run_sync(self.remove_name, rel)
         if eng.entries.get(rel) is old:
             eng.entries.pop(rel, None)
         self.local.discard(rel)
