@@ -189,6 +189,12 @@ def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "con
 # ------------------------------------------------------------------------------------------ mounts and files
 
 
+def files_under(root: str | os.PathLike) -> list[Path]:
+    """Files below root, for polling a tree the daemon is deleting from: a directory that goes away between listing
+    and reading it is skipped (os.walk ignores it), where Path.rglob raises FileNotFoundError."""
+    return [Path(d) / f for d, _, names in os.walk(root) for f in names]
+
+
 def mount_table() -> list[tuple[str, str, str]]:
     """(source, mountpoint, fstype) from /proc/self/mounts with octal escapes decoded."""
     out = []

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import brokerutil as B
-from mountutil import Mount, pid_alive, requires_fuse, run, wait_for
+from mountutil import Mount, files_under, pid_alive, requires_fuse, run, wait_for
 
 pytestmark = requires_fuse
 
@@ -428,7 +428,7 @@ def test_retention_through_the_mount(env: Env):
                  what="the broker deleting all CommitLog segments but the last")
         last = next((env.mnt / "commitlog").iterdir()).name
         seg_objects = env.objects / store_id / "seg" / "commitlog"
-        wait_for(lambda: not [p for p in seg_objects.rglob("*") if p.is_file() and last not in p.parts], 240, 0.5,
+        wait_for(lambda: not [p for p in files_under(seg_objects) if last not in p.parts], 240, 0.5,
                  what="objects of deleted CommitLog segments removed after the grace period")
     listed = [f["path"] for f in env.status()["files"] if f["kind"] == "commitlog"]
     assert all(p.endswith(last) for p in listed), listed

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import wait_for
+from mountutil import files_under, wait_for
 from test_store_mount import consume
 from test_tiering import (TIER_OPTS, s3_opts, assert_same_bytes, by_path, copy_in, reference_store, segments,  # noqa: F401
                           status, wait_tiered_and_evicted)
@@ -92,7 +92,7 @@ def test_compact_then_every_byte_and_key_reads_back(mount_store, reference_store
     check_mount_reads(m, ref)
     # the raw objects are gone after the grace period (0 here); lz4c objects remain
     objects = m.state_dir / "objects"
-    wait_for(lambda: not any(p.name.endswith(".raw") for p in objects.rglob("*.raw")), timeout=30,
+    wait_for(lambda: not any(p.name.endswith(".raw") for p in files_under(objects)), timeout=30,
              what="raw objects deleted")
     # key look-ups: the sidecars answer what a chain walk of the original index files answers
     used_sidecar = 0
