@@ -61,6 +61,7 @@ _FOOTER = struct.Struct("<8sQIIII")
 FOOTER_SIZE = _FOOTER.size  # 32
 _RESERVED = ".tierfs-"
 _TMP = ".tierfs-tmp."
+_COMPOSE_PIECE = 8 << 20  # compose copies through one buffer of at most this many bytes
 _TMP_RE = re.compile(r"^\.tierfs-tmp\.([0-9a-f]{16})\.(.+)$")
 MAX_SEGMENT_BYTES = 200
 PLAIN_SUFFIXES = (".parquet",)  # objects that other tools open in place: stored without the trailer
@@ -335,12 +336,14 @@ class PosixObjectStore(ObjectStore):
 
         def copy(fd: int) -> tuple[int, int]:
             crc = size = 0
+            # one buffer for every piece: a fresh bytes per range cost an allocation, its page faults and a copy
+            buf = memoryview(bytearray(min(max(n for _, _, n in sources), _COMPOSE_PIECE)))
             for src, off, n in sources:
-                data = self.get_range(src, off, n)
-                if len(data) != n:
-                    raise ObjectRangeError(src, off, n, None, self._where(src))
-                crc = _crc(data, crc)
-                size += _write_all(fd, data)
+                for lo in range(0, n, len(buf)):
+                    piece = buf[:min(len(buf), n - lo)]
+                    self.get_range_into(src, off + lo, [piece])
+                    crc = _crc(piece, crc)
+                    size += _write_all(fd, piece)
             if crc != crc32c:
                 raise ObjectStoreError(key, f"compose of {self._where(key)}: the ranges have crc32c "
                                             f"{format_crc32c(crc)}, not the given {format_crc32c(crc32c)}")
@@ -389,9 +392,28 @@ class PosixObjectStore(ObjectStore):
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
-        buf = bytearray(length)
-        self.get_range_into(key, start, [memoryview(buf)])
-        return bytes(buf)
+        if length == 0:
+            return b""
+        with self._errors(key, "get_range"):
+            fd, size = self._open_content(key)
+            try:
+                if start + length > size:
+                    raise ObjectRangeError(key, start, length, size, self._where(key))
+                return _pread_exact(fd, length, start)
+            finally:
+                os.close(fd)
+
+    def _open_content(self, key: str) -> tuple[int, int]:
+        """(an fd of the object's file, its content size); ObjectNotFound if there is none."""
+        opened = self._open(key)
+        if opened is None:
+            raise ObjectNotFound(key, self._where(key))
+        fd, st = opened
+        try:
+            return fd, _content_size(key, fd, st.st_size)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def get_range_into(self, key: str, start: int, bufs: Sequence[memoryview],
                        progress: Callable[[int], None] | None = None) -> None:
@@ -401,12 +423,8 @@ class PosixObjectStore(ObjectStore):
         if length == 0:
             return
         with self._errors(key, "get_range"):
-            opened = self._open(key)
-            if opened is None:
-                raise ObjectNotFound(key, self._where(key))
-            fd, st = opened
+            fd, size = self._open_content(key)
             try:
-                size = _content_size(key, fd, st.st_size)
                 if start + length > size:
                     raise ObjectRangeError(key, start, length, size, self._where(key))
                 _preadv_exact(fd, [b for b in bufs if len(b)], start)
@@ -415,12 +433,9 @@ class PosixObjectStore(ObjectStore):
 
     def get(self, key: str) -> bytes:
         with self._errors(key, "get"):
-            opened = self._open(key)
-            if opened is None:
-                raise ObjectNotFound(key, self._where(key))
-            fd, st = opened
+            fd, size = self._open_content(key)
             try:
-                return _pread_exact(fd, _content_size(key, fd, st.st_size), 0)
+                return _pread_exact(fd, size, 0)
             finally:
                 os.close(fd)
 
@@ -635,10 +650,12 @@ def _write_all(fd: int, data) -> int:
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:
-    if length == 0:
-        return b""
-    buf = bytearray(length)
-    _preadv_exact(fd, [memoryview(buf)], offset)
+    data = os.pread(fd, length, offset) if length else b""
+    if len(data) == length:  # the usual case: one copy, into the bytes returned
+        return data
+    buf = bytearray(length)  # a short read: resume after it
+    buf[:len(data)] = data
+    _preadv_exact(fd, [memoryview(buf)[len(data):]], offset + len(data))
     return bytes(buf)
 
 
