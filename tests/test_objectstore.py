@@ -693,6 +693,36 @@ def test_crc32c_helpers(tmp_path):
         crc32c_file(p, len(data) - 1, 2)
 
 
+def test_posix_compose_of_a_whole_object_links_it_and_checks_its_bytes(tmp_path):
+    """A chunk that is one whole append object is a hard link in the posix store: the seal does not write the
+    segment's bytes a second time on the same disk (fails on 6378e32: a copy, another inode). The linked bytes are
+    still checked: an object damaged since its put is refused as by a copy, and nothing is stored."""
+    s = PosixObjectStore(str(tmp_path / "st"))
+    data = os.urandom(3 * MiB + 17)
+    s.put("tail/a", data, metadata={"crc32c": f"{crc32c_of(data):08x}", "offset": "0"})
+    info = s.compose("seg/0", [("tail/a", 0, len(data))], crc32c=crc32c_of(data))
+    src, dst = (os.stat(tmp_path / "st" / k) for k in ("tail/a", "seg/0"))
+    assert (dst.st_ino, dst.st_nlink) == (src.st_ino, 2)
+    assert info.size == len(data) and s.get("seg/0") == data and s.head("seg/0").crc32c == crc32c_of(data)
+    s.delete("tail/a")  # the append object goes after the seal: the chunk stays
+    assert s.get("seg/0") == data
+    # part of an object, or a crc32c that is not its own: copied and checked, never linked
+    s.put("tail/b", data)
+    s.compose("seg/1", [("tail/b", 0, MiB)], crc32c=crc32c_of(data[:MiB]))
+    assert os.stat(tmp_path / "st" / "seg/1").st_ino != os.stat(tmp_path / "st" / "tail/b").st_ino
+    with pytest.raises(ObjectStoreError, match="crc32c"):
+        s.compose("seg/2", [("tail/b", 0, len(data))], crc32c=crc32c_of(data) ^ 1)
+    assert s.head("seg/2") is None and os.stat(tmp_path / "st" / "tail/b").st_nlink == 1
+    # damaged at rest since its put (its footer still says the old crc32c): refused, not linked
+    with open(tmp_path / "st" / "tail/b", "r+b") as f:
+        f.seek(MiB)
+        f.write(bytes([data[MiB] ^ 0xFF]))
+    with pytest.raises(ObjectStoreError):
+        s.compose("seg/3", [("tail/b", 0, len(data))], crc32c=crc32c_of(data))
+    assert s.head("seg/3") is None
+    assert not [p for p in (tmp_path / "st").rglob("*") if p.name.startswith(".tierfs-tmp.")]
+
+
 def test_compose_makes_an_object_of_ranges_of_others(store):
     """compose: an object made inside the store of byte ranges of others (S3: UploadPartCopy, every range but the
     last >= 5 MiB; posix: a local copy that checks the crc32c); a wrong crc32c or a missing source stores nothing."""

@@ -478,6 +478,21 @@ def test_append_ranges_merge_and_cover():
     assert not covered_by(TailObject("k", 8000, 500, 0), merged)
 
 
+def test_append_objects_never_cross_a_chunk_boundary():
+    """A round cuts its ranges at chunk boundaries (and at MAX_OBJECT): a chunk one round wrote whole is then one
+    whole append object, which the seal turns into the chunk without copying it (fails on 6378e32: no `pieces`,
+    and a round's 25 MiB went up as one object across two chunks)."""
+    from tierfs.tier.appendlog import MAX_OBJECT, pieces
+
+    chunk = 16 << 20
+    got = list(pieces([(5 << 20, 30 << 20), (100 << 20, 100 << 20), (200 << 20, 300 << 20)], chunk))
+    assert got[:2] == [(5 << 20, 11 << 20), (16 << 20, 14 << 20)]
+    assert all(off // chunk == (off + n - 1) // chunk and 0 < n <= MAX_OBJECT for off, n in got)
+    covered = [(off, off + n) for off, n in got]
+    assert covered == sorted(covered) and sum(n for _, n in got) == (25 << 20) + (100 << 20)
+    assert list(pieces([(0, 3 * MAX_OBJECT)], 0)) == [(i * MAX_OBJECT, MAX_OBJECT) for i in range(3)]
+
+
 def _segment_with_torn_record(tmp_path: Path, base: int = 1 << 20) -> tuple[Path, list[int]]:
     """A 1 MiB CommitLog segment holding 40 whole records, then one whose properties' last page is still zeros
     (its body, lengths and crc are there): what a copy of an mmap'd segment can hold mid-write."""
@@ -534,7 +549,7 @@ def test_continuous_upload_never_copies_a_torn_commitlog_record(tmp_path):
     (tmp_path / "objects").mkdir()
     eng = SimpleNamespace(store=open_store(f"file://{tmp_path / 'objects'}"), store_id="s", hot=tmp_path / "store",
                           config={"tiering.rpo_seconds": 10, "broker.max_hash_slot_num": 500,
-                                  "broker.max_index_num": 2000}, fence=lambda key: None)
+                                  "broker.max_index_num": 2000}, fence=lambda key: None, chunk=16 << 20)
     log = AppendLog(eng)  # type: ignore[arg-type]
     t = Tail("commitlog/" + seg.name, seg.stat().st_ino, 1)
     objs, end = log._upload_one(t, [])
@@ -649,7 +664,7 @@ def test_index_tail_uploads_header_and_items_only(tmp_path):
     eng = types.SimpleNamespace(store=open_store(f"file://{objects}"), store_id="ix", hot=hot, entries={},
                                 config={"tiering.rpo_seconds": 5, "delete.grace_seconds": 0,
                                         "broker.max_hash_slot_num": 5_000_000, "broker.max_index_num": 20_000_000},
-                                limiter=None, fence=lambda key: None, lease=None, snapshotter=None)
+                                limiter=None, fence=lambda key: None, lease=None, snapshotter=None, chunk=16 << 20)
     eng.limiter = __import__("trio").CapacityLimiter(2)
     log = appendlog.AppendLog(eng)
 

@@ -41,6 +41,7 @@ import contextlib
 import errno
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -329,10 +330,16 @@ class PosixObjectStore(ObjectStore):
     def compose(self, key: str, sources: list[tuple[str, int, int]], *, crc32c: int,
                 metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """ObjectStore.compose: a local copy of the ranges (each source read and checked as by get_range); the
-        crc32c of what was copied must be the given one."""
+        crc32c of what was copied must be the given one. One range that is all of an object is a hard link
+        instead (`_link_whole`): its bytes are checked, never written again."""
         dest = self._path(key)
         meta = merge_crc32c(key, metadata, crc32c)
         self._check_compose(key, sources, 0)
+        if len(sources) == 1 and sources[0][1] == 0 and not metadata:
+            with self._errors(key, "compose"):
+                linked = self._link_whole(key, dest, sources[0][0], sources[0][2], crc32c)
+            if linked is not None:
+                return linked
 
         def copy(fd: int) -> tuple[int, int]:
             crc = size = 0
@@ -352,6 +359,39 @@ class PosixObjectStore(ObjectStore):
         with self._errors(key, "compose"):
             tmp, size, crc = self._stage(dest, key, copy, lambda c: meta)
             return self._publish(tmp, dest, key, size, crc, meta)
+
+    def _link_whole(self, key: str, dest: str, src: str, length: int, crc32c: int) -> ObjectInfo | None:
+        """compose of all of `src` as `key`: a hard link to src's file, published as put publishes. Continuous
+        tiering's append objects become a sealed segment's chunks this way, so the segment's bytes are not written
+        a second time on the same disk. The linked content is read and checked against `crc32c` (an object
+        damaged since its put must not become a chunk). The object keeps src's other metadata. None when no link
+        can be made (links unsupported, a plain key, src missing or not exactly `length` bytes): the caller
+        copies, which reports those cases as ever."""
+        if is_plain(key) or is_plain(src):
+            return None
+        directory, name = os.path.split(dest)
+        tmp = os.path.join(directory, f"{_TMP}{secrets.token_hex(8)}.{name}")
+        try:
+            self._makedirs(directory)
+            os.link(self._path(src), tmp)
+        except OSError:
+            return None
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size, crc, meta_len, meta_crc = _read_footer(fd, os.fstat(fd).st_size)
+                raw = _pread_exact(fd, meta_len, size)
+                meta = json.loads(raw)["metadata"] if _crc(raw) == meta_crc else None
+                ok = meta is not None and size == length and crc == crc32c and _content_crc(fd, size) == crc32c
+            finally:
+                os.close(fd)
+        except (OSError, _Corrupt, ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return None
+        return self._publish(tmp, dest, key, size, crc, meta)
 
     def put_if_absent(self, key: str, data: bytes | bytearray | memoryview,
                       metadata: Mapping[str, str] | None = None) -> bool:
@@ -647,6 +687,14 @@ def _write_all(fd: int, data) -> int:
         n = os.write(fd, view)
         view = view[n:]
     return total
+
+
+def _content_crc(fd: int, size: int) -> int:
+    """crc32c of the first `size` bytes of the file, through a mapping: no copy."""
+    if size == 0:
+        return 0
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+        return _crc(m)
 
 
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:

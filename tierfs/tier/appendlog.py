@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import crc32c
 import trio
@@ -122,6 +122,18 @@ def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[t
         else:
             out.append([lo, hi])
     return [(lo, hi) for lo, hi in out]
+
+
+def pieces(ranges: list[tuple[int, int]], chunk: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of the append objects for `ranges`: at most MAX_OBJECT each, and none crossing a multiple
+    of `chunk`. A segment's chunk that one round wrote whole is then one whole append object, which the seal
+    makes its chunk without copying it (a hard link in the posix store)."""
+    for lo, hi in ranges:
+        off = lo
+        while off < hi:
+            end = min(hi, off + MAX_OBJECT, (off // chunk + 1) * chunk if chunk > 0 else hi)
+            yield off, end - off
+            off = end
 
 
 def covered_by(o: TailObject, newer: list[tuple[int, int]]) -> bool:
@@ -659,7 +671,7 @@ class AppendLog:
             t.slots = slots or 0
             objs = []
             end = max([committed] + [hi for _, hi in ranges])
-            for off, n in ((o, min(MAX_OBJECT, hi - o)) for lo, hi in ranges for o in range(lo, hi, MAX_OBJECT)):
+            for off, n in pieces(ranges, self.eng.chunk):
                 data = os.pread(fd, n, off)
                 if len(data) < n:  # truncated meanwhile: what is left
                     end = min(end, off + len(data))
