@@ -56,6 +56,7 @@ __all__ = [
     "encode_blank",
     "decode_record",
     "iter_records",
+    "torn_record",
     "properties_to_string",
     "string_to_properties",
     "message_id",
@@ -471,6 +472,20 @@ def decode_record(buf, pos: int = 0, *, check_crc: bool = False) -> Union[Messag
         version=version, trailing_separator=props_raw.endswith(PROPERTY_SEPARATOR),
         total_size=total, body_crc=crc,
     )
+
+
+def torn_record(buf, pos: int) -> bool:
+    """Does the message record at *pos* (one `decode_record` accepts) hold a NUL byte in its topic or
+    properties? A broker never writes one there; a copy cut short does (a kill -9 in the middle of an append, a
+    page not written back yet). The broker's recovery checks only lengths and the body crc, so it keeps such a
+    record; `complete_records_end` does not."""
+    total, magic = _II.unpack_from(buf, pos)
+    lay = _message_layout(buf, pos, total, 2 if magic == MAGIC_V2 else 1, len(buf))
+    if lay is None:
+        return False
+    with memoryview(buf) as mv:
+        mv = mv.cast("B") if mv.format != "B" else mv
+        return 0 in mv[pos + lay[5]:pos + lay[5] + lay[6]] or 0 in mv[pos + lay[7]:pos + lay[7] + lay[8]]
 
 
 def iter_records(buf, start_offset: int = 0, *, check_crc: bool = False) -> Iterator[tuple[int, Union[Message, Blank]]]:
