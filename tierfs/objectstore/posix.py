@@ -41,7 +41,6 @@ import contextlib
 import errno
 import json
 import logging
-import mmap
 import os
 import re
 import secrets
@@ -51,6 +50,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
 
+from . import crc32c_file
 from .base import (MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
                    ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c, source_length, validate_key,
                    validate_prefix)
@@ -379,13 +379,11 @@ class PosixObjectStore(ObjectStore):
         try:
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                size, crc, meta_len, meta_crc = _read_footer(fd, os.fstat(fd).st_size)
-                raw = _pread_exact(fd, meta_len, size)
-                meta = json.loads(raw)["metadata"] if _crc(raw) == meta_crc else None
-                ok = meta is not None and size == length and crc == crc32c and _content_crc(fd, size) == crc32c
+                size, crc, meta = _read_meta(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-        except (OSError, _Corrupt, ValueError, KeyError, TypeError):
+            ok = size == length and crc == crc32c and crc32c_file(tmp, 0, size) == crc32c
+        except (OSError, _Corrupt, ValueError):
             ok = False
         if not ok:
             with contextlib.suppress(OSError):
@@ -488,14 +486,7 @@ class PosixObjectStore(ObjectStore):
             try:
                 if is_plain(key):
                     return ObjectInfo(key, st.st_size, _plain_etag(st), st.st_mtime, {})
-                size, crc, meta_len, meta_crc = _read_footer(fd, st.st_size)
-                raw = _pread_exact(fd, meta_len, size)
-                if _crc(raw) != meta_crc:
-                    raise _Corrupt("metadata checksum mismatch")
-                try:
-                    meta = json.loads(raw)["metadata"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise _Corrupt(f"unreadable metadata ({e})") from None
+                size, crc, meta = _read_meta(fd, st.st_size)
                 return ObjectInfo(key, size, _etag(crc, size), st.st_mtime, meta)
             finally:
                 os.close(fd)
@@ -689,14 +680,6 @@ def _write_all(fd: int, data) -> int:
     return total
 
 
-def _content_crc(fd: int, size: int) -> int:
-    """crc32c of the first `size` bytes of the file, through a mapping: no copy."""
-    if size == 0:
-        return 0
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-        return _crc(m)
-
-
 def _pread_exact(fd: int, length: int, offset: int) -> bytes:
     data = os.pread(fd, length, offset) if length else b""
     if len(data) == length:  # the usual case: one copy, into the bytes returned
@@ -721,6 +704,18 @@ def _preadv_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
             bufs = bufs[1:]
         if bufs and n:
             bufs = [bufs[0][n:], *bufs[1:]]
+
+
+def _read_meta(fd: int, file_size: int) -> tuple[int, int, dict]:
+    """(content length, content crc32c, metadata) of an object file, its footer and metadata checked."""
+    size, crc, meta_len, meta_crc = _read_footer(fd, file_size)
+    raw = _pread_exact(fd, meta_len, size)
+    if _crc(raw) != meta_crc:
+        raise _Corrupt("metadata checksum mismatch")
+    try:
+        return size, crc, json.loads(raw)["metadata"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Corrupt(f"unreadable metadata ({e})") from None
 
 
 def _read_footer(fd: int, file_size: int) -> tuple[int, int, int, int]:

@@ -484,8 +484,13 @@ def torn_record(buf, pos: int) -> bool:
     if lay is None:
         return False
     with memoryview(buf) as mv:
-        mv = mv.cast("B") if mv.format != "B" else mv
-        return 0 in mv[pos + lay[5]:pos + lay[5] + lay[6]] or 0 in mv[pos + lay[7]:pos + lay[7] + lay[8]]
+        return _nul_in_text(mv.cast("B") if mv.format != "B" else mv, pos, lay)
+
+
+def _nul_in_text(mv: memoryview, pos: int, lay) -> bool:
+    """Does the topic or the properties of the record at *pos* (its `_message_layout`) hold a NUL byte?"""
+    topic_off, topic_len, props_off, props_len = lay[5], lay[6], lay[7], lay[8]
+    return 0 in mv[pos + topic_off:pos + topic_off + topic_len] or 0 in mv[pos + props_off:pos + props_off + props_len]
 
 
 def iter_records(buf, start_offset: int = 0, *, check_crc: bool = False) -> Iterator[tuple[int, Union[Message, Blank]]]:
@@ -664,8 +669,6 @@ def complete_records_end(buf, pos: int, *, buf_offset: int, file_start: int, fil
                 if lay is None or not _crc_ok(mv, rel, lay[3], lay[4]) \
                         or _Q.unpack_from(mv, rel + PHYSICAL_OFFSET_POSITION)[0] != file_start + pos:
                     return pos, False
-                topic_off, topic_len, props_off, props_len = lay[5], lay[6], lay[7], lay[8]
-                if 0 in mv[rel + topic_off:rel + topic_off + topic_len] \
-                        or 0 in mv[rel + props_off:rel + props_off + props_len]:
+                if _nul_in_text(mv, rel, lay):
                     return pos, False
             pos += total
