@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mountutil import Mount, wait_for
+from mountutil import Mount, pid_alive, wait_for
 from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
 from test_tiering import TIER_OPTS, reference_store  # noqa: F401 (a fixture)
 
@@ -593,6 +593,63 @@ def test_a_round_flushes_through_the_mount_without_syncing_the_hot_files(tmp_pat
             assert status(m)["rpo"]["append_bytes"] >= 20 * 1000, status(m)["rpo"]
     synced = [f for f in powerloss.lines(journal) if f[0] == "S" and f[2].endswith(rel)]
     assert not synced, f"the round fsynced the hot file {len(synced)} times"
+
+
+def flusher_children(daemon: int) -> list[int]:
+    """Live (not zombie) tierfs.tier.flusher processes whose parent is the daemon."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(") ", 1)[1].split()
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == daemon and fields[0] not in ("Z", "X") and b"tierfs.tier.flusher" in cmdline:
+            found.append(int(name))
+    return found
+
+
+def test_one_flusher_process_serves_every_round_and_goes_with_the_mount(tmp_path, mount_store):
+    """Every flush through the mount started a Python interpreter of its own (~0.15 CPU-seconds importing trio).
+    Seal scans and rounds flush up to every second: 29 children during one 40,000-message produce of
+    bench/broker.py, CPU taken from a SYNC_FLUSH broker on 2 cores. One child now serves the mount's life; one
+    killed is replaced at the next flush; the unmount ends it. Fails on 4f2c5b5 (a child per flush, gone after)."""
+    import mmap
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    m = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},tiering.rpo_seconds=1"])
+    rel = "consumequeue/TopicF/0/00000000000000000000"
+    (m.mnt / rel).parent.mkdir(parents=True)
+    with open(m.mnt / rel, "w+b") as f:
+        f.truncate(1 << 20)
+        with mmap.mmap(f.fileno(), 1 << 20) as mm:
+            def units(first: int, n: int) -> None:
+                mm[first * 20:(first + n) * 20] = b"".join(struct.pack(">qiq", i * 100, 100, 7)
+                                                           for i in range(first, first + n))
+
+            units(0, 100)
+            wait_for(lambda: flusher_children(m.pid), timeout=60, interval=0.05, what="the flusher process")
+            first = flusher_children(m.pid)
+            for k in range(1, 4):  # three more rounds, each with pages dirty in the kernel to flush
+                units(100 * k, 100)
+                wait_round_after(m, time.time())
+            assert flusher_children(m.pid) == first, "a flush started another process"
+            assert status(m)["rpo"]["append_bytes"] >= 400 * 20
+
+            os.kill(first[0], signal.SIGKILL)
+            units(400, 100)
+            wait_for(lambda: flusher_children(m.pid) not in ([], first), timeout=60, interval=0.1,
+                     what="a new flusher process after the old one was killed")
+            wait_round_after(m, time.time())
+            st = status(m)
+            assert st["rpo"]["append_bytes"] >= 500 * 20, st["rpo"]
+            assert st["workers"]["restarts"].get("flusher") == 1, st["workers"]
+            second = flusher_children(m.pid)
+    m.umount()
+    assert not any(pid_alive(p) for p in second), "the flusher outlived the unmount"
 
 
 # ------------------------------------------------------------------------ IndexFile tails without the slot table

@@ -51,7 +51,7 @@ from tierfs.objectstore.base import ObjectStoreError, validate_key
 from tierfs.store import commitlog
 from tierfs.store.indexfile import HEADER_SIZE, ITEM_SIZE
 from tierfs.store.paths import Kind, classify
-from tierfs.tier import flusher, indextail
+from tierfs.tier import indextail
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -564,7 +564,7 @@ class AppendLog:
         if self.eng.mountpoint is None or not rels:
             return
         with trio.move_on_after(max(30.0, 3 * self.rpo)) as scope:
-            failed, _, _ = await flusher.run(self.eng.mountpoint, rels, self.eng.flusher_pids)
+            failed = await self.eng.flusher.flush(self.eng.mountpoint, rels)
         if scope.cancelled_caught:
             raise OSError(errno.ETIMEDOUT, "flushing dirty pages through the mount timed out")
         if failed:

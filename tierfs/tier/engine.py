@@ -44,6 +44,7 @@ from tierfs.tier.blockcache import BlockCache
 from tierfs.tier.catalog import NEVER, Catalog, Entry, State
 from tierfs.tier.compaction import Compactor
 from tierfs.tier.evictor import Evictor
+from tierfs.tier.flusher import Flusher
 from tierfs.tier.follow import Follower
 from tierfs.tier.janitor import run_janitor
 from tierfs.tier.lease import WriterLease
@@ -97,8 +98,9 @@ class Engine:
         self.orphans: dict[int, Entry] = {}  # unlinked while open: served through open fds until the last close
         self._fds: dict[int, int] = {}  # engine-owned O_RDWR fds of tiered hot files, by file id
         self.mountpoint: Path | None = None  # the sealer flushes quiet segments through the mount (mount.py sets it)
-        self.flusher_pids: set[int] = set()  # our own flusher processes (tierfs.tier.flusher) running now
+        self.flusher_pids: set[int] = set()  # our own flusher process (tierfs.tier.flusher) while it runs
         self.workers = WorkerStats()
+        self.flusher = Flusher(self.flusher_pids, self.workers)  # fsyncs through the mount, from one child process
         # what the FUSE front saw, by hot-dir st_ino: a write voids a seal or upload in flight (write_seq moves)
         self.last_write: dict[int, float] = {}
         self.last_fsync: dict[int, float] = {}
@@ -299,6 +301,7 @@ class Engine:
             backoff = min(backoff * 2, 60.0)
 
     async def shutdown(self) -> None:
+        await self.flusher.aclose()  # the mount is gone: nothing is left to flush through it
         await self.evictor.persist_residency()
         if self.appendlog is not None:
             await self.appendlog.final()  # append objects, then the snapshot naming them

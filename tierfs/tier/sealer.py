@@ -20,7 +20,6 @@ import trio
 from tierfs import failpoints
 from tierfs.store.paths import Kind, classify
 from tierfs.store.seal import SealParams, is_sealed
-from tierfs.tier import flusher
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.storeroots import segment_dirs
 
@@ -216,24 +215,21 @@ class Sealer:
     async def _flush_through_mount(self, todo: list[tuple[str, int, tuple[int, int]]]) -> None:
         """fsync quiet segments through the mount, so the kernel writes back every page still dirty for them (as
         WRITEs to this daemon) before they are judged complete; our own fsync handler then records the flush and
-        makes them candidates again. In a child process (tierfs.tier.flusher): never a daemon thread blocked on
-        its own mount."""
+        makes them candidates again. From the flusher's child process (tierfs.tier.flusher): never a daemon
+        thread blocked on its own mount."""
         if self.eng.mountpoint is None:
             return
         for rel, ino, mark in todo:
             self._flushed[ino] = mark
         try:
-            failed, code, stderr = await flusher.run(self.eng.mountpoint, [rel for rel, _, _ in todo],
-                                                     self.eng.flusher_pids)
+            failed = await self.eng.flusher.flush(self.eng.mountpoint, [rel for rel, _, _ in todo])
         except OSError as err:
-            log.warning("could not start the segment flusher (%s); will retry", err)
+            log.warning("flushing quiet segments through the mount failed (%s); will retry", err)
             for _, ino, _ in todo:
                 self._flushed.pop(ino, None)
             return
         for line in failed:
             log.warning("flushing quiet segment %s through the mount failed; will retry", line.replace("\t", ": "))
-        if code:
-            log.warning("the segment flusher exited %d: %s", code, stderr)
         for rel, ino, _ in todo:
             self._candidates.setdefault(rel, ino)
 
