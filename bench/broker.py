@@ -3,7 +3,7 @@ one run with the same workload: produce throughput and p99 send latency, then a 
 everything from offset 0 after a broker restart, with the data evicted (tierfs) or read from the tier
 (plug-in, tieredStorageLevel=FORCE).
 
-    python bench/broker.py [--messages 40000] [--body 1024] [--json out.json]
+    python bench/broker.py [--messages 40000] [--body 1024] [--repeat 3] [--json out.json]
     python bench/broker.py --produce-only --repeat 3 [--py-spy DIR]   # produce only, native/tierfs alternated
 
 With --produce-only only the produce phase runs, native and tierfs alternated --repeat times (medians), plus a
@@ -133,7 +133,8 @@ def main() -> None:
     ap.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE[,...]",
                     help="extra tierfs mount options (e.g. tiering.rpo_seconds=0)")
     ap.add_argument("--produce-only", action="store_true", help="only the produce phase, native/tierfs alternated")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds of --produce-only (medians)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="rounds, medians and per-round ratios (default 1; 3 with --produce-only)")
     ap.add_argument("--py-spy", default="", metavar="DIR", help="sample the tierfs daemon while it produces")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME[@SRC]=KEY=VALUE,...",
                     help="--produce-only: one more tierfs mount with these options (and this source tree)")
@@ -144,48 +145,66 @@ def main() -> None:
     if args.py_spy:
         Path(args.py_spy).mkdir(parents=True, exist_ok=True)
     if args.produce_only:
+        args.repeat = args.repeat or 3
         produce_only(args)
         return
-    results: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     t0 = time.monotonic()
     with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
         rmq = B.RocketMQ(VERSION, base / "home")
         try:
             rmq.start_namesrv()
-            native = base / "native"
-            native.mkdir()
-            results["native"] = run_config("native", rmq, native, args, base, {})
-            hot, mnt = base / "hot", base / "mnt"
-            hot.mkdir()
-            mnt.mkdir()
-            with C.TierfsMount(hot, mnt, [TIER_OPTS, f"objectstore.url=file://{base / 'objects'}", *args.options]
-                               ) as mount:
-                results["tierfs"] = run_config("tierfs", rmq, mnt, args, base, {}, mount=mount,
-                                               backing=(hot, base / "objects"))
-            plug_store, tier = base / "plugin-store", base / "plugin-tier"
-            plug_store.mkdir()
-            tier.mkdir()
-            results["plugin"] = run_config("plugin", rmq, plug_store, args, base, {
-                "messageStorePlugIn": "org.apache.rocketmq.tieredstore.TieredMessageStore",
-                "tieredBackendServiceProvider": "org.apache.rocketmq.tieredstore.provider.PosixFileSegment",
-                "tieredStoreFilePath": tier, "tieredStorageLevel": "FORCE", "tieredStoreGroupCommitTimeout": 1000,
-                "tieredStoreGroupCommitCount": 1000, "commitLogRollingInterval": 1}, tier_dir=tier)
+            for i in range(args.repeat or 1):
+                rounds.append(full_round(rmq, base / f"round-{i}", args))
+                shutil.rmtree(base / f"round-{i}", ignore_errors=True)
         finally:
             rmq.close()
-    n, t, p = results["native"], results["tierfs"], results["plugin"]
-    ratios = {"produce tierfs/native": t["produce_msgs_s"] / n["produce_msgs_s"],
-              "p99 native/tierfs": n["p99_ms"] / t["p99_ms"] if t["p99_ms"] else 0.0,
-              "lagging read tierfs/native": t["read_msgs_s"] / n["read_msgs_s"],
-              "lagging read tierfs/plugin": t["read_msgs_s"] / p["read_msgs_s"]}
+    per_round = [round_ratios(r) for r in rounds]
+    ratios = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    results = {k: {c: statistics.median(r[k][c] for r in rounds) for c in rounds[0][k] if c != "fuse_ops"}
+               for k in rounds[0]}
     cols = ["produce_msgs_s", "produce_MB_s", "p99_ms", "read_msgs_s", "read_MB_s", "produce_broker_cpu_s",
             "read_broker_cpu_s", "produce_daemon_cpu_s", "read_daemon_cpu_s"]
     C.print_table(["config", *cols], [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in results.items()])
-    C.print_table(["ratio", "value", "aim"], [[k, f"{v:.2f}", a] for (k, v), a in
-                                             zip(ratios.items(), (">= 0.9", "", ">= 0.7", ">= 1.0"))])
-    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {time.monotonic() - t0:.0f} s")
+    C.print_table(["ratio", "median", "per round", "aim"],
+                  [[k, f"{v:.2f}", ", ".join(f"{r[k]:.2f}" for r in per_round), a]
+                   for (k, v), a in zip(ratios.items(), (">= 0.9", "", ">= 0.7", ">= 1.0"))])
+    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {len(rounds)} round(s), "
+          f"{time.monotonic() - t0:.0f} s")
     if args.json:
         C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
-                                 "results": results, "ratios": ratios})
+                                 "rounds": rounds, "results": results, "ratios": ratios, "per_round": per_round})
+
+
+def full_round(rmq: B.RocketMQ, base: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """One round of the full bench: native, tierfs and the plug-in, each produce then lagging read."""
+    results: dict[str, dict] = {}
+    native = base / "native"
+    native.mkdir(parents=True)
+    results["native"] = run_config("native", rmq, native, args, base, {})
+    hot, mnt = base / "hot", base / "mnt"
+    hot.mkdir()
+    mnt.mkdir()
+    with C.TierfsMount(hot, mnt, [TIER_OPTS, f"objectstore.url=file://{base / 'objects'}", *args.options]) as mount:
+        results["tierfs"] = run_config("tierfs", rmq, mnt, args, base, {}, mount=mount,
+                                       backing=(hot, base / "objects"))
+    plug_store, tier = base / "plugin-store", base / "plugin-tier"
+    plug_store.mkdir()
+    tier.mkdir()
+    results["plugin"] = run_config("plugin", rmq, plug_store, args, base, {
+        "messageStorePlugIn": "org.apache.rocketmq.tieredstore.TieredMessageStore",
+        "tieredBackendServiceProvider": "org.apache.rocketmq.tieredstore.provider.PosixFileSegment",
+        "tieredStoreFilePath": tier, "tieredStorageLevel": "FORCE", "tieredStoreGroupCommitTimeout": 1000,
+        "tieredStoreGroupCommitCount": 1000, "commitLogRollingInterval": 1}, tier_dir=tier)
+    return results
+
+
+def round_ratios(results: dict[str, dict]) -> dict[str, float]:
+    n, t, p = results["native"], results["tierfs"], results["plugin"]
+    return {"produce tierfs/native": t["produce_msgs_s"] / n["produce_msgs_s"],
+            "p99 native/tierfs": n["p99_ms"] / t["p99_ms"] if t["p99_ms"] else 0.0,
+            "lagging read tierfs/native": t["read_msgs_s"] / n["read_msgs_s"],
+            "lagging read tierfs/plugin": t["read_msgs_s"] / p["read_msgs_s"]}
 
 
 def produce_only(args: argparse.Namespace) -> None:
