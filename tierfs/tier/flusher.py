@@ -63,8 +63,10 @@ class Flusher:
     """The daemon's side: one child at a time, one batch at a time, started on first use and again after it died
     or a batch was cancelled (a child killed mid-batch is the only safe way to abandon its answer)."""
 
-    def __init__(self, pids: set[int], workers: WorkerStats):
+    def __init__(self, pids: set[int], workers: WorkerStats, batch_timeout: float = 300.0):
         self.pids = pids  # the FUSE front's view: pids whose fsync needs no fsync of the hot file
+        # a batch that hangs (a mount that stopped answering) must not hold every later flush behind it
+        self.batch_timeout = batch_timeout
         self.workers = workers  # a child that died is counted as a restart of worker "flusher" (status, metrics)
         self._proc: trio.Process | None = None
         self._mountpoint = ""
@@ -73,7 +75,8 @@ class Flusher:
 
     async def flush(self, mountpoint: os.PathLike | str, rels: list[str]) -> list[str]:
         """fsync `rels` through the mount: the `path<TAB>error` lines of those that failed. OSError when the
-        child cannot start or dies mid-batch (the caller retries later). Cancelling kills the child."""
+        child cannot start, dies mid-batch or does not answer in batch_timeout (the caller retries later).
+        Cancelling kills the child."""
         if not rels:
             return []
         async with self._lock:
@@ -81,10 +84,14 @@ class Flusher:
             done = False
             try:
                 assert proc.stdin is not None
-                await proc.stdin.send_all(b"".join(_encode(r) + b"\0" for r in rels) + b"\0")
-                failed = await self._answer(proc)
+                with trio.fail_after(self.batch_timeout):
+                    await proc.stdin.send_all(b"".join(_encode(r) + b"\0" for r in rels) + b"\0")
+                    failed = await self._answer(proc)
                 done = True
                 return failed
+            except trio.TooSlowError:
+                self._died(f"did not answer in {self.batch_timeout:.0f} s (killed)")
+                raise OSError(f"the flusher process did not answer in {self.batch_timeout:.0f} s") from None
             except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
                 self._died(f"died mid-batch ({err})")
                 raise OSError(f"the flusher process died mid-batch ({err})") from None
@@ -134,19 +141,19 @@ class Flusher:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        try:
-            if kill:
-                proc.kill()
-            elif proc.stdin is not None:
-                await proc.stdin.aclose()  # end of input: the child exits by itself
-            with trio.move_on_after(10):
-                await proc.wait()
-            if proc.returncode is None:
-                log.warning("the flusher process %d did not exit; killing it", proc.pid)
-                proc.kill()
-                await proc.wait()
-        finally:
-            self.pids.discard(proc.pid)
+        # out of the set before the first await: once reaped, its pid may go to another process, whose fsyncs
+        # must not be taken for ours
+        self.pids.discard(proc.pid)
+        if kill:
+            proc.kill()
+        elif proc.stdin is not None:
+            await proc.stdin.aclose()  # end of input: the child exits by itself
+        with trio.move_on_after(10):
+            await proc.wait()
+        if proc.returncode is None:
+            log.warning("the flusher process %d did not exit; killing it", proc.pid)
+            proc.kill()
+            await proc.wait()
 
     async def aclose(self) -> None:
         """At unmount: end the child (shielded, so an unmount being cancelled still reaps it)."""
