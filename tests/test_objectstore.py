@@ -20,7 +20,7 @@ import pytest
 
 from ceph_rgw import rgw  # noqa: F401  (session fixture; sharing one cluster if conftest registers it too)
 from tierfs.objectstore import (ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
-                                ObjectStoreUnavailable, crc32c_file, crc32c_of, format_crc32c, open_store)
+                                ObjectStoreUnavailable, crc32c_fd, crc32c_file, crc32c_of, format_crc32c, open_store)
 from tierfs.objectstore.posix import PosixObjectStore
 
 MiB = 1 << 20
@@ -691,6 +691,13 @@ def test_crc32c_helpers(tmp_path):
     assert crc32c_file(p, len(data)) == 0
     with pytest.raises(ValueError):
         crc32c_file(p, len(data) - 1, 2)
+    fd = os.open(p, os.O_RDONLY)
+    try:  # the open-file form, in chunks that do not divide the range
+        assert crc32c_fd(fd, 1000, 2 * MiB, chunk_size=(64 << 10) + 3) == crc32c_of(data[1000:1000 + 2 * MiB])
+        with pytest.raises(ValueError):
+            crc32c_fd(fd, len(data) - 1, 2)
+    finally:
+        os.close(fd)
 
 
 def test_posix_compose_of_a_whole_object_links_it_and_checks_its_bytes(tmp_path):

@@ -11,10 +11,7 @@ for a chunk that was put. Otherwise the chunk is put as ever.
 
 from __future__ import annotations
 
-import os
-
-import crc32c
-
+from tierfs.objectstore import crc32c_fd
 from tierfs.tier.appendlog import TailObject
 
 _READ = 8 << 20
@@ -56,14 +53,8 @@ def plan(objects: tuple[TailObject, ...], lo: int, hi: int, min_part: int
 def matches(fd: int, o: TailObject, cache: dict[str, bool]) -> bool:
     """Does the local file hold exactly the object's bytes (its recorded crc32c over the same range)?"""
     if o.key not in cache:
-        crc = 0
-        buf = memoryview(bytearray(min(_READ, o.length)))  # reused: no allocation (and page faults) per read
-        for off in range(o.start, o.end, _READ):
-            piece = buf[:min(_READ, o.end - off)]
-            if os.preadv(fd, [piece], off) != len(piece):
-                cache[o.key] = False
-                break
-            crc = crc32c.crc32c(piece, crc)
-        else:
-            cache[o.key] = crc == o.crc
+        try:
+            cache[o.key] = crc32c_fd(fd, o.start, o.length, _READ) == o.crc
+        except ValueError:  # the file ends before the object does
+            cache[o.key] = False
     return cache[o.key]
