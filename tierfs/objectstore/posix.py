@@ -50,7 +50,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
 
-from . import crc32c_file
+from . import crc32c_fd
 from .base import (MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
                    ObjectStoreUnavailable, check_range, format_crc32c, merge_crc32c, source_length, validate_key,
                    validate_prefix)
@@ -380,9 +380,9 @@ class PosixObjectStore(ObjectStore):
             fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 size, crc, meta = _read_meta(fd, os.fstat(fd).st_size)
+                ok = size == length and crc == crc32c and crc32c_fd(fd, 0, size) == crc32c
             finally:
                 os.close(fd)
-            ok = size == length and crc == crc32c and crc32c_file(tmp, 0, size) == crc32c
         except (OSError, _Corrupt, ValueError):
             ok = False
         if not ok:
