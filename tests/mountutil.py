@@ -178,6 +178,22 @@ def pid_alive(pid: int | None) -> bool:
         return False
 
 
+def helper_children(daemon: int, module: str) -> list[int]:
+    """Live (not zombie) `python -m MODULE` processes whose parent is the daemon (tierfs.tier.helperproc)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(") ", 1)[1].split()
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == daemon and fields[0] not in ("Z", "X") and module.encode() in cmdline.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
 def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not pred():

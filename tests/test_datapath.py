@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import evict, wait_for
+from mountutil import evict, helper_children, pid_alive, wait_for
 from test_store_mount import PRODUCER
 from test_tiering import copy_in
 
@@ -224,3 +225,89 @@ def test_block_buffers_are_reused_held_and_given_back_when_idle():
     assert bufs.free_bytes == MiB
     bufs.trim(1000.0 + 2 * IDLE_SECONDS)
     assert bufs.free_bytes == 0
+
+
+def _resident_pages(path: Path, first: int, n: int) -> int:
+    """How many of pages [first, first + n) of `path`, as seen through the mount, are in its page cache (mincore of
+    a mapping never touched: nothing is read or faulted in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    length = (first + n) * mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(first + n)
+            assert libc.mincore(addr, length, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in vec.raw[first:first + n])
+        finally:
+            libc.munmap(addr, length)
+    finally:
+        os.close(fd)
+
+
+def _fuse_reads(m) -> int:
+    for line in (m.ctl / "stats").read_text().splitlines():
+        if line.split()[:1] == ["read"]:
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_writer_filling_a_preallocated_file_is_primed_ahead(mounted):
+    """A broker's ConsumeQueue writer: 20-byte units into a file preallocated to its full size. With the writeback
+    cache the kernel READs each new 4 KiB page from the daemon before the first write into it, and the writer
+    waits for every one (0.44-0.54 of native in bench/hot_path.py b). Two such READs in a row make the primer read
+    the next window into the page cache through the mount: the writer then fills it without a single READ, every
+    byte lands, and a killed primer process is counted and replaced. Fails on a5e195a (no page is ever primed)."""
+    m = mounted
+    rel = "consumequeue/TopicP/0/00000000000000000000"
+    p = m.mnt / rel
+    p.parent.mkdir(parents=True)
+    unit = struct.Struct(">qiq")
+    per_page = 4096 // 20
+    ahead = 64  # pages checked ahead of the writer (256 KiB: within any read_ahead_kb the kernel caps it to)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, 4 * MiB)
+
+        def write_units(first: int, last: int) -> None:
+            for i in range(first, last):
+                os.write(fd, unit.pack(i * 100, 100, 7))
+
+        write_units(0, 2 * per_page + 1)  # into pages 0, 1 and 2: READs the kernel makes, the primer's cue
+        wait_for(lambda: _resident_pages(p, 3, ahead) == ahead, timeout=60, interval=0.05,
+                 what="the pages ahead of the writer primed into the page cache")
+        before = _fuse_reads(m)
+        own = _fuse_reads(m) - before  # the READs of reading the stats file itself
+        write_units(2 * per_page + 1, (3 + ahead) * 4096 // 20 - 1)
+        assert _fuse_reads(m) - before - 2 * own == 0, "a write into a primed page waited for a READ"
+        assert status(m)["write_prime"]["requests"] >= 1
+
+        (child,) = helper_children(m.pid, "tierfs.tier.primer")
+        os.kill(child, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(child) or not helper_children(m.pid, "tierfs.tier.primer"), timeout=30)
+        os.lseek(fd, (2 * MiB // 20 + 1) * 20, os.SEEK_SET)  # a new stretch: its first two pages cue the primer
+        write_units(2 * MiB // 20 + 1, 2 * MiB // 20 + 2 * per_page + 2)
+        wait_for(lambda: _resident_pages(p, 2 * MiB // 4096 + 3, ahead) == ahead, timeout=60, interval=0.05,
+                 what="priming by a new primer process")
+        assert status(m)["workers"]["restarts"].get("primer") == 1
+        second = helper_children(m.pid, "tierfs.tier.primer")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    got = m.hot_path(rel).read_bytes()
+    n1, n2 = (3 + ahead) * 4096 // 20 - 1, 2 * MiB // 20 + 1
+    assert got[:n1 * 20] == b"".join(unit.pack(i * 100, 100, 7) for i in range(n1))
+    assert got[n1 * 20:n2 * 20] == bytes((n2 - n1) * 20)
+    n3 = 2 * MiB // 20 + 2 * per_page + 2
+    assert got[n2 * 20:n3 * 20] == b"".join(unit.pack(i * 100, 100, 7) for i in range(n2, n3))
+    assert len(got) == 4 * MiB and not any(got[n3 * 20:])
+    m.umount()
+    assert not any(pid_alive(c) for c in second), "the primer outlived the unmount"

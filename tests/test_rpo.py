@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mountutil import Mount, pid_alive, wait_for
+from mountutil import Mount, helper_children, pid_alive, wait_for
 from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
 from test_tiering import TIER_OPTS, reference_store  # noqa: F401 (a fixture)
 
@@ -597,18 +597,7 @@ def test_a_round_flushes_through_the_mount_without_syncing_the_hot_files(tmp_pat
 
 def flusher_children(daemon: int) -> list[int]:
     """Live (not zombie) tierfs.tier.flusher processes whose parent is the daemon."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{name}/stat").read_text().rsplit(") ", 1)[1].split()
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == daemon and fields[0] not in ("Z", "X") and b"tierfs.tier.flusher" in cmdline:
-            found.append(int(name))
-    return found
+    return helper_children(daemon, "tierfs.tier.flusher")
 
 
 def test_one_flusher_process_serves_every_round_and_goes_with_the_mount(tmp_path, mount_store):

@@ -168,7 +168,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
                          f"{r.stderr.strip()}; run 'fusermount3 -uz {mnt}'", 1)
         return _fail(f"the daemon of {mnt} had crashed; cleared the dead mount (fusermount3 -uz). "
                      f"Acknowledged data is safe; see {hot}/.tierfs/tierfs.log", 1)
-    r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True)
+    # the daemon's helpers (tierfs.tier.flusher, tierfs.tier.primer) open files through the mount for a moment
+    # after a writer's last request: "busy" is retried for a few seconds before it counts as files still open
+    deadline = time.monotonic() + 5
+    while True:
+        r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True)
+        if r.returncode == 0 or "busy" not in r.stderr.lower() or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     if r.returncode != 0:
         return _fail(f"could not unmount {mnt}: {r.stderr.strip() or r.stdout.strip()} "
                      f"(files still open? see fuser -m {mnt})", 1)

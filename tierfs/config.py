@@ -130,6 +130,11 @@ SCHEMA: tuple[Key, ...] = (
     Key("mount.read_ahead_kb", "int", 1024,
         "Kernel read-ahead of the mount (set through /sys/class/bdi after mounting; 0 keeps the kernel's).",
         minimum=0, maximum=65536),
+    Key("mount.write_prime_kb", "int", 1024,
+        "Read this much of a file into the page cache, through a helper process, ahead of a writer that fills it "
+        "page by page inside its size (a broker's preallocated ConsumeQueue): its writes then skip the kernel's "
+        "READ of each new 4 KiB page. The kernel caps it at mount.read_ahead_kb. 0: off.",
+        minimum=0, maximum=65536),
     Key("mount.max_background", "int", 64,
         "FUSE max_background requests (fusectl; 0 keeps the kernel's). Higher lets more read-ahead overlap.",
         minimum=0, maximum=65535),

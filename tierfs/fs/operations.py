@@ -119,6 +119,10 @@ class TierOperations(pyfuse3.Operations):
         self._tiered: Mapping[int, Any] = MappingProxyType(engine.tiered if engine is not None else {})
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._flusher_fh: set[int] = set()  # opened by our own flusher: its fsync needs no fsync of the hot file
+        # writable handles of files a writer may fill page by page: where the next small READ of a sequential
+        # writer is due (tierfs.tier.primer; -1 until its first one)
+        self._prime_next: dict[int, int] = {}
+        self._primer = engine.primer if engine is not None and engine.primer.window and not self.read_only else None
 
     # ---------------------------------------------------------------- helpers
 
@@ -516,9 +520,11 @@ class TierOperations(pyfuse3.Operations):
 
     # ---------------------------------------------------------------- files
 
-    def _new_file_handle(self, inode: int, fd: int, rel: str | None) -> pyfuse3.FileInfo:
+    def _new_file_handle(self, inode: int, fd: int, rel: str | None, flags: int) -> pyfuse3.FileInfo:
         self._fh_inode[fd] = inode
         self.inodes.opened(inode, fd)
+        if self._primer is not None and flags & os.O_ACCMODE != os.O_RDONLY:
+            self._prime_next[fd] = -1
         if rel is not None and classify(rel).is_segment:
             self._seg_fh[fd] = rel
         return pyfuse3.FileInfo(fh=fd, keep_cache=True)
@@ -553,7 +559,7 @@ class TierOperations(pyfuse3.Operations):
             self.engine.opened(fd, t)  # type: ignore[union-attr]
         if self.engine is not None and ctx.pid in self.engine.flusher_pids:
             self._flusher_fh.add(fd)
-        return self._new_file_handle(inode, fd, rel)
+        return self._new_file_handle(inode, fd, rel, flags)
 
     async def _before_o_trunc(self, inode: int, flags: int) -> None:
         """The kernel passes O_TRUNC to open (atomic_o_trunc): a tiered segment must leave the tiered state
@@ -584,7 +590,7 @@ class TierOperations(pyfuse3.Operations):
         except BaseException:
             os.close(fd)
             raise
-        return self._new_file_handle(entry.st_ino, fd, rel), entry
+        return self._new_file_handle(entry.st_ino, fd, rel, flags), entry
 
     @_handler("read")
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -595,6 +601,8 @@ class TierOperations(pyfuse3.Operations):
             data = await self.engine.read(t, self._fh_inode[fh], fh, off, size)  # type: ignore[union-attr]
         elif size < LARGE_READ:
             data = os.pread(fh, size, off)
+            if fh in self._prime_next:
+                self._page_read_by_writer(fh, off, len(data))
         else:  # not tiered, checked with no await before its hole probe: its holes are real holes
             data = await self.local.pread(fh, size, off)
             t = self._tiered.get(self._fh_inode.get(fh, 0)) if self._tiered else None
@@ -602,6 +610,18 @@ class TierOperations(pyfuse3.Operations):
                 data = await self.engine.read(t, self._fh_inode[fh], fh, off, size)  # type: ignore[union-attr]
         self.stats.bytes_read += len(data)
         return data
+
+    def _page_read_by_writer(self, fh: int, off: int, size: int) -> None:
+        """A small READ on a writable handle: the kernel filling a page before a partial write into it. The
+        second one in a row asks the primer to read the next window ahead, so the writer's next pages are
+        uptodate; the one after that window (where such a writer is next seen) asks again."""
+        end = off + size
+        if off == self._prime_next[fh] and size:
+            rel = self.inodes.path(self._fh_inode[fh])
+            if rel is not None:
+                self._primer.want(rel, end)  # type: ignore[union-attr]
+                end += self._primer.window  # type: ignore[union-attr]
+        self._prime_next[fh] = end
 
     @_handler("write")
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -654,6 +674,7 @@ class TierOperations(pyfuse3.Operations):
         inode = self._fh_inode.pop(fh, None)
         self._seg_fh.pop(fh, None)
         self._flusher_fh.discard(fh)
+        self._prime_next.pop(fh, None)
         if self.engine is not None:
             self.engine.release_stream(fh)
         os.close(fh)

@@ -48,6 +48,7 @@ from tierfs.tier.flusher import Flusher
 from tierfs.tier.follow import Follower
 from tierfs.tier.janitor import run_janitor
 from tierfs.tier.lease import WriterLease
+from tierfs.tier.primer import Primer
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
@@ -101,6 +102,8 @@ class Engine:
         self.flusher_pids: set[int] = set()  # our own flusher process (tierfs.tier.flusher) while it runs
         self.workers = WorkerStats()
         self.flusher = Flusher(self.flusher_pids, self.workers)  # fsyncs through the mount, from one child process
+        # reads ahead of writers of preallocated files through the mount, from another child (the FUSE front asks)
+        self.primer = Primer(self.workers, int(config["mount.write_prime_kb"]) << 10)
         # what the FUSE front saw, by hot-dir st_ino: a write voids a seal or upload in flight (write_seq moves)
         self.last_write: dict[int, float] = {}
         self.last_fsync: dict[int, float] = {}
@@ -270,6 +273,8 @@ class Engine:
         if self.appendlog is not None:
             nursery.start_soon(self.supervise, "appendlog", self.appendlog.run)
         nursery.start_soon(self.supervise, "sealer", self.sealer.run)
+        if self.primer.window and self.mountpoint is not None:
+            nursery.start_soon(self.supervise, "primer", self.primer.run, self.mountpoint)
         self.uploader.start(nursery)
         nursery.start_soon(self.supervise, "evictor", self.evictor.run)
         nursery.start_soon(self.supervise, "janitor", run_janitor, self)
@@ -302,6 +307,7 @@ class Engine:
 
     async def shutdown(self) -> None:
         await self.flusher.aclose()  # the mount is gone: nothing is left to flush through it
+        await self.primer.aclose()
         await self.evictor.persist_residency()
         if self.appendlog is not None:
             await self.appendlog.final()  # append objects, then the snapshot naming them
