@@ -37,6 +37,7 @@ log = logging.getLogger("tierfs.fs")
 
 STATE_DIR_NAME = ".tierfs"  # inside the hot dir: catalog, lock, log. Shadowed by the control dir in the mount.
 _CONTROL_FH_BASE = 1 << 40
+PRIME_GAP_SECONDS = 1.0  # a writer filling a page a second or faster (4 KiB/s, 200 ConsumeQueue units/s) is primed
 _EXPECTED_ERRNOS = frozenset((errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.EAGAIN))
 # answered EROFS on a read-only mount (the kernel's `ro` refuses most of them first; this is the backstop)
 _MODIFYING = frozenset(("setattr", "mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "create",
@@ -120,8 +121,8 @@ class TierOperations(pyfuse3.Operations):
         self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._flusher_fh: set[int] = set()  # opened by our own flusher: its fsync needs no fsync of the hot file
         # writable handles of files a writer may fill page by page: where the next small READ of a sequential
-        # writer is due (tierfs.tier.primer; -1 until its first one)
-        self._prime_next: dict[int, int] = {}
+        # writer is due, and when the last one came (tierfs.tier.primer; -1 until its first one)
+        self._prime_next: dict[int, tuple[int, float]] = {}
         self._primer = engine.primer if engine is not None and engine.primer.window and not self.read_only else None
 
     # ---------------------------------------------------------------- helpers
@@ -524,7 +525,7 @@ class TierOperations(pyfuse3.Operations):
         self._fh_inode[fd] = inode
         self.inodes.opened(inode, fd)
         if self._primer is not None and flags & os.O_ACCMODE != os.O_RDONLY:
-            self._prime_next[fd] = -1
+            self._prime_next[fd] = (-1, 0.0)
         if rel is not None and classify(rel).is_segment:
             self._seg_fh[fd] = rel
         return pyfuse3.FileInfo(fh=fd, keep_cache=True)
@@ -613,15 +614,19 @@ class TierOperations(pyfuse3.Operations):
 
     def _page_read_by_writer(self, fh: int, off: int, size: int) -> None:
         """A small READ on a writable handle: the kernel filling a page before a partial write into it. The
-        second one in a row asks the primer to read the next window ahead, so the writer's next pages are
-        uptodate; the one after that window (where such a writer is next seen) asks again."""
+        second one in a row, less than PRIME_GAP_SECONDS after the first, asks the primer to read the next window
+        ahead, so the writer's next pages are uptodate; the one after that window (where such a writer is next
+        seen) asks again. A slower writer pays a READ per page now and then, which costs it nothing that matters,
+        and does not fill the page cache with pages it reaches hours later (a broker has thousands of queues)."""
+        expect, last = self._prime_next[fh]
+        now = time.monotonic()
         end = off + size
-        if off == self._prime_next[fh] and size:
+        if off == expect and size and now - last < PRIME_GAP_SECONDS:
             rel = self.inodes.path(self._fh_inode[fh])
             if rel is not None:
                 self._primer.want(rel, end)  # type: ignore[union-attr]
                 end += self._primer.window  # type: ignore[union-attr]
-        self._prime_next[fh] = end
+        self._prime_next[fh] = (end, now)
 
     @_handler("write")
     async def write(self, fh: int, off: int, buf: bytes) -> int:
