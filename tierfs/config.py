@@ -133,7 +133,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("mount.write_prime_kb", "int", 1024,
         "Read this much of a file into the page cache, through a helper process, ahead of a writer that fills it "
         "page by page inside its size (a broker's preallocated ConsumeQueue): its writes then skip the kernel's "
-        "READ of each new 4 KiB page. The kernel caps it at mount.read_ahead_kb. 0: off (and with tiering.enabled=false: no helpers).",
+        "READ of each new 4 KiB page. The kernel caps it at mount.read_ahead_kb. 0: off (and with "
+        "tiering.enabled=false: no helpers).",
         minimum=0, maximum=65536),
     Key("mount.max_background", "int", 64,
         "FUSE max_background requests (fusectl; 0 keeps the kernel's). Higher lets more read-ahead overlap.",
