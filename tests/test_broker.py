@@ -104,25 +104,11 @@ def segment_counts(st: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-def read_history(env: Env, st: dict) -> None:
-    """Read every tiered CommitLog segment once through the mount, as a consumer of old messages does: the
-    fetches fill the cache past its high watermark, and an eviction pass takes the least recently used segments
-    (the idle ConsumeQueue files among them). The kernel's copies are dropped after, so each read reaches tierfs."""
-    for f in st["files"]:
-        if f["kind"] == "commitlog" and f["state"] == "tiered":
-            try:
-                with open(env.mnt / f["path"], "rb") as fh:
-                    while fh.read(1 << 20):
-                        pass
-                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            except FileNotFoundError:
-                pass  # deleted by the broker's retention meanwhile
-
-
 def wait_mostly_evicted(env: Env, kinds: tuple[str, ...] = KINDS, timeout: float = 120) -> dict[str, tuple[int, int]]:
     """Each of `kinds` has tiered segments, at least half of them evicted, and the upload backlog is empty.
     Segments uploaded after the last eviction pass stay resident while the cache is under its high watermark
-    (15 of 32 ConsumeQueue files evicted, twice in CI): once the backlog is empty, history is read to make one."""
+    (15 of 32 ConsumeQueue files evicted, twice in CI): once the backlog is empty, `tierfs evict` makes a pass,
+    as an operator would."""
     seen: dict = {}
     pressed = [0.0]
 
@@ -131,7 +117,8 @@ def wait_mostly_evicted(env: Env, kinds: tuple[str, ...] = KINDS, timeout: float
         seen.update(segment_counts(st), backlog=st["totals"]["upload_backlog_files"])
         ok = seen["backlog"] == 0 and all(seen[k][0] > 0 and seen[k][1] * 2 >= seen[k][0] for k in kinds)
         if not ok and seen["backlog"] == 0 and time.monotonic() - pressed[0] > 5:
-            read_history(env, st)
+            r = env.mount.cli("evict", env.mnt)
+            assert r.returncode == 0, r.stderr
             pressed[0] = time.monotonic()
         return ok
 

@@ -123,6 +123,36 @@ def test_tier_evict_and_read_back_everything(mount_store, reference_store):
     assert (m.ctl / "segments").read_text().count("tiered") >= len(segs) // 2
 
 
+def test_evict_command_drops_every_idle_tiered_copy_now(mount_store, reference_store):
+    """`tierfs evict`: before maintenance of the hot disk an operator empties the local copies of tiered segments
+    now, whatever the watermarks. The cache here is far under them, so no pass would ever evict by itself. Every
+    byte still reads back (from the object store), and a mount without tiering says why there is nothing to do."""
+    m = mount_store(options=[TIER_OPTS.replace("cache.max_bytes=2MiB", "cache.max_bytes=1GiB")])
+    copy_in(reference_store, m.mnt)
+    segs = segments(reference_store)
+
+    def settled() -> bool:
+        st = status(m)
+        return (st["totals"]["upload_backlog_files"] == 0
+                and len([f for f in st["files"] if f["state"] == "tiered"]) >= len(segs) // 2)
+    wait_for(settled, timeout=60, what="tiering")
+    tiered = [f for f in status(m)["files"] if f["state"] == "tiered"]
+    assert sum(f["resident_bytes"] for f in tiered) > 0, "evicted already: the test would prove nothing"
+
+    def evicted_on_request() -> bool:  # a segment read in the last second is left alone: then ask again
+        r = m.cli("evict", m.mnt)
+        assert r.returncode == 0 and "tierfs: evicted" in r.stdout, r.stderr
+        return all(by_path(m)[f["path"]]["resident_bytes"] == 0 for f in tiered)
+    wait_for(evicted_on_request, timeout=60, interval=0.5, what="every tiered segment evicted on request")
+    st = status(m)
+    assert st["evict_now"]["done"] == st["evict_now"]["requested"] >= 1
+    assert_same_bytes(m, reference_store, segs)
+
+    off = mount_store(options=["tiering.enabled=false"])
+    r = off.cli("evict", off.mnt)
+    assert r.returncode == 1 and "tiering off" in r.stderr, r.stderr
+
+
 def test_write_into_tiered_segment_makes_new_generation(mount_store, reference_store):
     m = mount_store(options=[TIER_OPTS])
     copy_in(reference_store, m.mnt)

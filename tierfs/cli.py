@@ -211,6 +211,59 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evict(args: argparse.Namespace) -> int:
+    """Ask the daemon (SIGUSR1) to evict every idle tiered segment's local copy now, and wait for that pass."""
+    import signal  # noqa: PLC0415
+
+    from tierfs.fs.mount import hot_dir_of  # noqa: PLC0415
+    from tierfs.fs.views import human_bytes  # noqa: PLC0415
+
+    mnt = Path(args.mountpoint).resolve()
+    if hot_dir_of(mnt) is None:
+        return _fail(f"{mnt} is not a tierfs mount")
+    status_file = mnt / ".tierfs" / "status.json"
+
+    def status() -> dict:
+        return json.loads(status_file.read_text())
+
+    def local_bytes(st: dict) -> int:
+        return sum(f.get("resident_bytes", 0) for f in st.get("files", []) if f.get("state") == "tiered")
+
+    try:
+        st = status()
+    except (OSError, ValueError) as e:
+        return _fail(f"{mnt} does not answer as a tierfs mount: {e}", 1)
+    if not st.get("evict_now"):
+        return _fail(f"{mnt} has tiering off (tiering.enabled=false): it has no tiered segments to evict", 1)
+    before, asked = local_bytes(st), st["evict_now"]["requested"]
+    deadline = time.monotonic() + args.timeout
+    target, sent = None, 0.0
+    while time.monotonic() < deadline:  # the request is counted when the daemon takes the signal, then served
+        if target is None and time.monotonic() - sent > 5:  # again if a daemon still starting ignored it
+            try:
+                os.kill(int(st["pid"]), signal.SIGUSR1)
+            except PermissionError:
+                return _fail(f"only root or the daemon's user may ask daemon pid {st['pid']} to evict", 1)
+            except ProcessLookupError:
+                return _fail(f"daemon pid {st['pid']} of {mnt} is gone", 1)
+            sent = time.monotonic()
+        try:
+            now = status()["evict_now"]
+        except (OSError, ValueError) as e:
+            return _fail(f"{mnt} stopped answering during the eviction pass: {e}", 1)
+        if target is None and now["requested"] > asked:
+            target = now["requested"]
+        if target is not None and now["done"] >= target:
+            after = local_bytes(status())
+            print(f"tierfs: evicted {human_bytes(max(before - after, 0))} of tiered segments' local copies; "
+                  f"{human_bytes(after)} stays local (segments read in the last second or being fetched; the "
+                  f"first page of each segment always stays)")
+            return 0
+        time.sleep(0.1)
+    return _fail(f"the daemon did not finish the eviction pass within {args.timeout:g} s; "
+                 f"see {hot_dir_of(mnt)}/.tierfs/tierfs.log", 1)
+
+
 def cmd_fsck(args: argparse.Namespace) -> int:
     from tierfs.fsck import run  # noqa: PLC0415
 
@@ -256,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("umount", help="flush and unmount; waits for the daemon to exit")
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.set_defaults(func=cmd_umount)
+    e = sub.add_parser("evict", help="drop the local copies of every idle tiered segment now, whatever the "
+                                     "cache watermarks (before maintenance of the hot disk)")
+    e.add_argument("mountpoint", metavar="MOUNTPOINT")
+    e.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the daemon's eviction pass (default 300)")
+    e.set_defaults(func=cmd_evict)
     s = sub.add_parser("status", help="show the state of a mounted store")
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true")

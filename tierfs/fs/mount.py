@@ -15,6 +15,7 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,6 +239,9 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     # The daemon's own files (state, log, catalog, jobs, the embedded object store) are private to its user;
     # files created through the mount get exactly the caller's mode and umask (TierOperations sets them).
     os.umask(DAEMON_UMASK)
+    # SIGUSR1 asks for an eviction pass (`tierfs evict`); until the loop listens for it, and after, it must not
+    # kill the daemon (its default action) under a broker
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     lock = _DaemonLock(paths)
     secure_state_dir(paths.state)
     setup_logging(paths.log_file(config), config["mount.log_level"], foreground_log)
@@ -326,7 +330,8 @@ def other_users_warning(paths: MountPaths, config: Config, read_only: bool = Fal
 async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -> None:
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, nursery.cancel_scope,
+                               engine.evictor.evict_now if engine is not None else None)
             nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
             if engine is not None:
                 await engine.run(nursery)
@@ -338,9 +343,14 @@ async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -
                 await engine.shutdown()
 
 
-async def _watch_signals(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+async def _watch_signals(scope: trio.CancelScope, evict_now: Callable[[], None] | None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1) as signals:
         async for signum in signals:
+            if signum == signal.SIGUSR1:
+                if evict_now is not None:
+                    log.info("signal SIGUSR1: evicting every idle tiered segment now")
+                    evict_now()
+                continue
             log.info("signal %s: unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return

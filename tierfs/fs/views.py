@@ -118,6 +118,7 @@ def status_dict(ops: "TierOperations", paths: "MountPaths", config: Config, with
         "bytes_read_from_holes": ops.local.bytes_from_holes,
         "reads_threaded": ops.local.reads_threaded,
         "write_prime": ops.engine.primer.status() if ops.engine is not None else {},
+        "evict_now": ops.engine.evictor.now_status() if ops.engine is not None else {},
         "bytes_written": ops.stats.bytes_written,
         "totals": totals(ops.engine),
         "compaction": ops.engine.compactor.status() if ops.engine else {"running": None, "last": []},

@@ -4,6 +4,11 @@ Least recently used tiered segments lose their resident blocks, which are punche
 (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE: the file keeps its size, so `ls`, stat and mmap are unchanged). The resident
 bitmap follows one rule: a block is marked non-resident durably before it is punched, and marked resident only
 after its bytes are durable, so a crash can only make us fetch a block again, never serve a hole.
+
+An operator can also ask for every tiered segment's local copy to go now, whatever the watermarks (`tierfs evict`,
+which sends the daemon SIGUSR1): before maintenance of the hot disk, or to make the next reads come from the
+object store. Requests and completed passes are counted (`status.json` `evict_now`), so the command can wait for
+the pass that served its own request.
 """
 
 from __future__ import annotations
@@ -46,6 +51,17 @@ class Evictor:
     def __init__(self, engine: Engine):
         self.eng = engine
         self._dirty: set[int] = set()  # file ids whose resident bits changed since they were persisted
+        self.now_requested = 0  # operator requests to evict everything (evict_now), and the last one served
+        self.now_done = 0
+        self._wake = trio.Event()
+
+    def evict_now(self) -> None:
+        """Every idle tiered segment loses its local copy at the next pass (which starts at once)."""
+        self.now_requested += 1
+        self._wake.set()
+
+    def now_status(self) -> dict:
+        return {"requested": self.now_requested, "done": self.now_done}
 
     def residency_changed(self, e: Entry) -> None:
         """Blocks were installed, or someone rewrote e's row without its live bits: persist them (after an
@@ -57,25 +73,35 @@ class Evictor:
 
     async def run(self) -> None:
         while True:
-            await trio.sleep(0.5)
+            with trio.move_on_after(0.5):
+                await self._wake.wait()
             self.eng.cache.pool.buffers.trim(time.monotonic())  # fetch buffers no reader needed lately
+            serving = self.now_requested
+            if self._wake.is_set():
+                self._wake = trio.Event()
             try:
-                await self._evict_once()
+                await self._evict_once(everything=serving != self.now_done)
                 await self.persist_residency()
             except (OSError, sqlite3.Error) as err:
                 log.warning("eviction pass failed: %s", err)
+            finally:
+                if serving != self.now_done:
+                    log.info("evicted every idle tiered segment on request; %d bytes still local", self.eng.cache_bytes)
+                    self.now_done = serving
 
     def _evictable(self, e: Entry) -> bool:
         eng = self.eng
         return (e.pins == 0 and e.state is State.TIERED and eng.is_live(e) and eng.tiered.get(e.ino) is e
                 and e.ino not in eng.orphans)
 
-    async def _evict_once(self) -> None:
+    async def _evict_once(self, everything: bool = False) -> None:
+        """One pass: above the high watermark, least recently used segments down to the low one; with
+        `everything` (an operator's request), every tiered segment not pinned, read or written right now."""
         eng = self.eng
         cap = int(eng.config["cache.max_bytes"])
-        if eng.cache_bytes <= cap * float(eng.config["cache.high_watermark"]):
+        if not everything and eng.cache_bytes <= cap * float(eng.config["cache.high_watermark"]):
             return
-        target = cap * float(eng.config["cache.low_watermark"])
+        target = 0 if everything else cap * float(eng.config["cache.low_watermark"])
         now = time.time()
         # least recently used first: a heap (O(n) to build, O(log n) per victim taken), not a sort of every entry
         victims = [(e.last_access, n, e) for n, e in enumerate(eng.tiered.values()) if now - e.last_access > 1.0]
