@@ -89,27 +89,45 @@ def evict(path: str | os.PathLike, sync: bool = False) -> None:
         os.close(fd)
 
 
-def resident_fraction(path: str | os.PathLike) -> float:
-    """Share of the file's pages in the page cache (mincore over a PROT_READ mapping; touches no page)."""
+def resident_map(path: str | os.PathLike, first: int = 0, n: int | None = None) -> bytes | None:
+    """One byte per page of [first, first + n) (n None: to the end of the file), bit 0 set where the page is in the
+    page cache: mincore over a PROT_READ mapping that is never touched, so nothing is read or faulted in. None if the
+    mapping or mincore fails."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return 0.0
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if n is None:
+            n = max(0, (os.fstat(fd).st_size + mmap.PAGESIZE - 1) // mmap.PAGESIZE - first)
+        if not n:
+            return b""
+        length = (first + n) * mmap.PAGESIZE
+        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, _MAP_FAILED):
-            return float("nan")
+            return None
         try:
-            npages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vec = ctypes.create_string_buffer(npages)
-            if _libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                return float("nan")
-            raw = vec.raw
-            return sum(b & 1 for b in raw) / npages
+            vec = ctypes.create_string_buffer(first + n)
+            if _libc.mincore(ctypes.c_void_p(addr), length, vec) != 0:
+                return None
+            return vec.raw[first:first + n]
         finally:
-            _libc.munmap(ctypes.c_void_p(addr), size)
+            _libc.munmap(ctypes.c_void_p(addr), length)
     finally:
         os.close(fd)
+
+
+def resident_pages(path: str | os.PathLike, first: int, n: int) -> int:
+    """How many of pages [first, first + n) of `path` are in the page cache (see resident_map)."""
+    vec = resident_map(path, first, n)
+    if vec is None:
+        raise OSError(ctypes.get_errno(), f"mincore of {path}")
+    return sum(b & 1 for b in vec)
+
+
+def resident_fraction(path: str | os.PathLike) -> float:
+    """Share of the file's pages in the page cache (nan if it cannot be told; 0.0 for an empty file)."""
+    vec = resident_map(path)
+    if vec is None:
+        return float("nan")
+    return sum(b & 1 for b in vec) / len(vec) if vec else 0.0
 
 
 def write_data_file(path: Path, size: int, chunk: int = 1 << 20) -> None:

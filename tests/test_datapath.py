@@ -17,6 +17,9 @@ from mountutil import evict, helper_children, pid_alive, wait_for
 from test_store_mount import PRODUCER
 from test_tiering import copy_in
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _common import resident_pages  # noqa: E402  (one page-cache residency helper for tests and benchmarks)
+
 MiB = 1 << 20
 CAP = 2 * MiB
 OPTS = (f"tiering.enabled=true,cache.max_bytes={CAP},cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB,"
@@ -227,32 +230,6 @@ def test_block_buffers_are_reused_held_and_given_back_when_idle():
     assert bufs.free_bytes == 0
 
 
-def _resident_pages(path: Path, first: int, n: int) -> int:
-    """How many of pages [first, first + n) of `path`, as seen through the mount, are in its page cache (mincore of
-    a mapping never touched: nothing is read or faulted in)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    length = (first + n) * mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            vec = ctypes.create_string_buffer(first + n)
-            assert libc.mincore(addr, length, vec) == 0, ctypes.get_errno()
-            return sum(b & 1 for b in vec.raw[first:first + n])
-        finally:
-            libc.munmap(addr, length)
-    finally:
-        os.close(fd)
-
-
 def _fuse_reads(m) -> int:
     for line in (m.ctl / "stats").read_text().splitlines():
         if line.split()[:1] == ["read"]:
@@ -299,7 +276,7 @@ def test_a_writer_filling_a_preallocated_file_is_primed_ahead(mounted):
         os.ftruncate(fd, 4 * MiB)
         n = cue(0)
         page = n * 20 // 4096 + 1  # the first page after the one the last unit ended in: primed from here
-        wait_for(lambda: _resident_pages(p, page, ahead) == ahead, timeout=60, interval=0.05,
+        wait_for(lambda: resident_pages(p, page, ahead) == ahead, timeout=60, interval=0.05,
                  what="the pages ahead of the writer primed into the page cache")
         before = _fuse_reads(m)
         own = _fuse_reads(m) - before  # the READs of reading the stats file itself
@@ -313,7 +290,7 @@ def test_a_writer_filling_a_preallocated_file_is_primed_ahead(mounted):
         os.lseek(fd, first * 20, os.SEEK_SET)
         n = cue(first)
         page = n * 20 // 4096 + 1
-        wait_for(lambda: _resident_pages(p, page, ahead) == ahead, timeout=60, interval=0.05,
+        wait_for(lambda: resident_pages(p, page, ahead) == ahead, timeout=60, interval=0.05,
                  what="priming by a new primer process")
         assert status(m)["workers"]["restarts"].get("primer") == 1
         second = helper_children(m.pid, "tierfs.tier.primer")
