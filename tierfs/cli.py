@@ -194,16 +194,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tierfs.fs.mount import hot_dir_of  # noqa: PLC0415
+    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415
 
-    mnt = Path(args.mountpoint).resolve()
-    if hot_dir_of(mnt) is None:
-        return _fail(f"{mnt} is not a tierfs mount")
-    ctl = mnt / ".tierfs"
     try:
-        text = (ctl / ("status.json" if args.json else "status")).read_text()
-    except OSError as e:
-        return _fail(f"{mnt} does not answer as a tierfs mount: {e.strerror}", 1)
+        _, _, text = live_mount(args.mountpoint, "status.json" if args.json else "status")
+    except NotServing as e:
+        return _fail(str(e), 1 if e.mounted else 2)
     if args.json:
         print(json.dumps(json.loads(text), indent=1))
     else:
@@ -215,12 +211,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
     """Ask the daemon (SIGUSR1) to evict every idle tiered segment's local copy now, and wait for that pass."""
     import signal  # noqa: PLC0415
 
-    from tierfs.fs.mount import hot_dir_of  # noqa: PLC0415
+    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415
     from tierfs.fs.views import human_bytes  # noqa: PLC0415
 
-    mnt = Path(args.mountpoint).resolve()
-    if hot_dir_of(mnt) is None:
-        return _fail(f"{mnt} is not a tierfs mount")
+    try:
+        mnt, hot, text = live_mount(args.mountpoint)
+    except NotServing as e:
+        return _fail(str(e), 1 if e.mounted else 2)
     status_file = mnt / ".tierfs" / "status.json"
 
     def status() -> dict:
@@ -229,10 +226,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     def local_bytes(st: dict) -> int:
         return sum(f.get("resident_bytes", 0) for f in st.get("files", []) if f.get("state") == "tiered")
 
-    try:
-        st = status()
-    except (OSError, ValueError) as e:
-        return _fail(f"{mnt} does not answer as a tierfs mount: {e}", 1)
+    st = json.loads(text)
     if not st.get("evict_now"):
         return _fail(f"{mnt} has tiering off (tiering.enabled=false): it has no tiered segments to evict", 1)
     before, asked = local_bytes(st), st["evict_now"]["requested"]
@@ -261,7 +255,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             return 0
         time.sleep(0.1)
     return _fail(f"the daemon did not finish the eviction pass within {args.timeout:g} s; "
-                 f"see {hot_dir_of(mnt)}/.tierfs/tierfs.log", 1)
+                 f"see {hot}/.tierfs/tierfs.log", 1)
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:

@@ -37,16 +37,12 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _mounted_state(mountpoint: str) -> tuple[Path, Path] | str:
     """(mountpoint, state dir) of a live tierfs mount, or an error message."""
-    from tierfs.fs.mount import hot_dir_of
+    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415  (pyfuse3 and trio, only when asked)
 
-    mnt = Path(mountpoint).resolve()
-    hot = hot_dir_of(mnt)
-    if hot is None:
-        return f"{mnt} is not a tierfs mount"
     try:
-        (mnt / ".tierfs" / "status.json").read_bytes()
-    except OSError as e:
-        return f"{mnt} does not answer as a tierfs mount: {e.strerror}"
+        mnt, hot, _ = live_mount(mountpoint)
+    except NotServing as e:
+        return str(e)
     return mnt, hot / ".tierfs"
 
 

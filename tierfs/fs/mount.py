@@ -115,6 +115,28 @@ def hot_dir_of(mountpoint: Path | str) -> Path | None:
     return None
 
 
+class NotServing(Exception):
+    """The path is no tierfs mount that answers. `mounted` tells a tierfs mount whose daemon does not answer
+    (crashed or hung: the CLI exits 1) from a path that is no tierfs mount at all (a usage error: exit 2)."""
+
+    def __init__(self, message: str, mounted: bool) -> None:
+        super().__init__(message)
+        self.mounted = mounted
+
+
+def live_mount(mountpoint: Path | str, control_file: str = "status.json") -> tuple[Path, Path, str]:
+    """(mountpoint, hot dir, text of /.tierfs/`control_file`) of a tierfs mount whose daemon answers; NotServing
+    otherwise. Every CLI command that talks to a running daemon starts here."""
+    mnt = Path(mountpoint).resolve()
+    hot = hot_dir_of(mnt)
+    if hot is None:
+        raise NotServing(f"{mnt} is not a tierfs mount", mounted=False)
+    try:
+        return mnt, hot, (mnt / ".tierfs" / control_file).read_text()
+    except OSError as e:
+        raise NotServing(f"{mnt} does not answer as a tierfs mount: {e.strerror}", mounted=True) from e
+
+
 def _mount_dev(mountpoint: Path) -> tuple[int, int] | None:
     """major:minor of our mount, read from mountinfo (a stat of the mountpoint would call into ourselves)."""
     mp = str(mountpoint)
