@@ -56,7 +56,8 @@ class Flusher:
         self.helper = HelperProcess("flusher", "tierfs.tier.flusher", workers, pids)
         # a batch that hangs (a mount that stopped answering) must not hold every later flush behind it
         self.batch_timeout = batch_timeout
-        self._pending = b""  # bytes read past the last answer (none, in a well-behaved child)
+        self._pending = b""  # bytes read past the last answer (none, in a well-behaved child)...
+        self._pending_from: trio.Process | None = None  # ...of this child
         self._lock = trio.Lock()
 
     async def flush(self, mountpoint: os.PathLike | str, rels: list[str]) -> list[str]:
@@ -67,9 +68,9 @@ class Flusher:
             return []
         async with self._lock:
             h = self.helper
-            if h.proc is None or h.proc.returncode is not None:
-                self._pending = b""
             proc = await h.child(str(mountpoint))
+            if proc is not self._pending_from:  # a new child: what the old one left unread is not its answer
+                self._pending, self._pending_from = b"", proc
             done = False
             try:
                 assert proc.stdin is not None
