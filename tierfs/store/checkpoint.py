@@ -36,15 +36,15 @@ class Checkpoint:
 def encode_checkpoint_into(buf, cp: Checkpoint, fields: int = 5) -> None:
     """Write the fields into a mapped checkpoint the way ``StoreCheckpoint.flush`` does (no other bytes touched).
 
-    *fields* = 3 for 4.9.x brokers, 5 for 5.x.
+    *fields* = 3 for 4.9.x brokers, 5 for 5.x. One slice assignment of the packed fields: ``Struct.pack_into``
+    zeroes its target first, so a writer killed inside it would leave zero timestamps in a shared mapping.
     """
     if fields == 5:
-        _FIELDS5.pack_into(
-            buf, 0, cp.physic_msg_timestamp, cp.logics_msg_timestamp, cp.index_msg_timestamp,
-            cp.master_flushed_offset, cp.confirm_phy_offset,
-        )
+        buf[0:_FIELDS5.size] = _FIELDS5.pack(cp.physic_msg_timestamp, cp.logics_msg_timestamp,
+                                             cp.index_msg_timestamp, cp.master_flushed_offset, cp.confirm_phy_offset)
     elif fields == 3:
-        _FIELDS3.pack_into(buf, 0, cp.physic_msg_timestamp, cp.logics_msg_timestamp, cp.index_msg_timestamp)
+        buf[0:_FIELDS3.size] = _FIELDS3.pack(cp.physic_msg_timestamp, cp.logics_msg_timestamp,
+                                             cp.index_msg_timestamp)
     else:
         raise ValueError("fields must be 3 (4.9.x) or 5 (5.x)")
 

@@ -58,6 +58,7 @@ INVALID_INDEX = 0
 _HEADER = struct.Struct(">qqqqii")
 _ITEM = struct.Struct(">iqii")
 _I = struct.Struct(">i")
+_QQ = struct.Struct(">qq")
 _INT_MAX = (1 << 31) - 1
 
 
@@ -145,7 +146,9 @@ class IndexWriter:
     """``IndexFile`` write side over a writable buffer of ``index_file_size(max_slots, max_items)`` bytes.
 
     Like the broker it keeps the header in memory and writes it into the buffer on every change, so the
-    mapping always holds a current header. A new file may be pre-seeded with the previous file's end
+    mapping always holds a current header. Every store into the buffer is one slice assignment of final bytes,
+    never ``Struct.pack_into``: that zeroes its target before it packs the fields one by one, so a writer killed
+    in between left a shared mapping with ``index_count`` 0 and every key of the file unreachable. A new file may be pre-seeded with the previous file's end
     phy offset / timestamp (``prev_end_phy``, ``prev_end_ts``), written immediately as the broker's constructor does.
     ``load=True`` adopts the header already in *buf* (an existing file).
     """
@@ -181,12 +184,10 @@ class IndexWriter:
         self._count = 1
         if prev_end_phy > 0:
             self._begin_phy = self._end_phy = prev_end_phy
-            struct.pack_into(">q", buf, 16, prev_end_phy)
-            struct.pack_into(">q", buf, 24, prev_end_phy)
+            buf[16:32] = _QQ.pack(prev_end_phy, prev_end_phy)
         if prev_end_ts > 0:
             self._begin_ts = self._end_ts = prev_end_ts
-            struct.pack_into(">q", buf, 0, prev_end_ts)
-            struct.pack_into(">q", buf, 8, prev_end_ts)
+            buf[0:16] = _QQ.pack(prev_end_ts, prev_end_ts)
 
     @property
     def header(self) -> IndexHeader:
@@ -217,8 +218,9 @@ class IndexWriter:
             # Java truncates toward zero, then clamps to [0, Integer.MAX_VALUE]: negatives all end up 0.
             diff = store_timestamp - begin_ts
             time_diff = min(diff // 1000, _INT_MAX) if diff > 0 else 0
-        _ITEM.pack_into(buf, self._items_base + count * ITEM_SIZE, key_hash, phy_offset, time_diff, slot_value)
-        _I.pack_into(buf, slot_pos, count)
+        item_pos = self._items_base + count * ITEM_SIZE
+        buf[item_pos:item_pos + ITEM_SIZE] = _ITEM.pack(key_hash, phy_offset, time_diff, slot_value)
+        buf[slot_pos:slot_pos + SLOT_SIZE] = _I.pack(count)
         if count <= 1:
             self._begin_phy = phy_offset
             self._begin_ts = begin_ts = store_timestamp
@@ -227,8 +229,8 @@ class IndexWriter:
         self._count = count + 1
         self._end_phy = phy_offset
         self._end_ts = store_timestamp
-        _HEADER.pack_into(buf, 0, begin_ts, store_timestamp, self._begin_phy, phy_offset,
-                          self._slot_count, count + 1)
+        buf[0:HEADER_SIZE] = _HEADER.pack(begin_ts, store_timestamp, self._begin_phy, phy_offset,
+                                          self._slot_count, count + 1)
         return True
 
     def flush_header(self) -> None:
