@@ -148,8 +148,9 @@ class IndexWriter:
     Like the broker it keeps the header in memory and writes it into the buffer on every change, so the
     mapping always holds a current header. Every store into the buffer is one slice assignment of final bytes,
     never ``Struct.pack_into``: that zeroes its target before it packs the fields one by one, so a writer killed
-    in between left a shared mapping with ``index_count`` 0 and every key of the file unreachable. A new file may be pre-seeded with the previous file's end
-    phy offset / timestamp (``prev_end_phy``, ``prev_end_ts``), written immediately as the broker's constructor does.
+    in between left a shared mapping with ``index_count`` 0 and every key of the file unreachable. A new file may
+    be pre-seeded with the previous file's end phy offset / timestamp (``prev_end_phy``, ``prev_end_ts``), written
+    immediately as the broker's constructor does.
     ``load=True`` adopts the header already in *buf* (an existing file).
     """
 
