@@ -226,7 +226,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
     def local_bytes(st: dict) -> int:
         return sum(f.get("resident_bytes", 0) for f in st.get("files", []) if f.get("state") == "tiered")
 
-    st = json.loads(text)
+    try:
+        st = json.loads(text)
+    except ValueError as e:
+        return _fail(f"{mnt} does not answer as a tierfs mount: its status.json is not JSON ({e})", 1)
     if not st.get("evict_now"):
         return _fail(f"{mnt} has tiering off (tiering.enabled=false): it has no tiered segments to evict", 1)
     before, asked = local_bytes(st), st["evict_now"]["requested"]
