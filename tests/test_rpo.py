@@ -76,9 +76,11 @@ def start_producer(store: Path) -> subprocess.Popen:
 
 
 def written_now(m: Mount) -> tuple[int, float]:
-    """(messages in the store through the mount now, the time): what must survive once a later round ends."""
-    t = time.time()
-    return consume(m.mnt, "--redispatch", "--check-keys", "0")["messages"], t
+    """(messages in the store through the mount now, a time after all of them were written): what must survive
+    once a round that started later ends. The time is taken after the count: taken before it, the messages the
+    producer wrote while a slow count ran (500 under CI load) were counted but not owed to that round."""
+    n = consume(m.mnt, "--redispatch", "--check-keys", "0")["messages"]
+    return n, time.time()
 
 
 def wait_round_after(m: Mount, t: float, timeout: float = 60) -> None:
