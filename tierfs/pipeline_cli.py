@@ -35,27 +35,19 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def _mounted_state(mountpoint: str) -> tuple[Path, Path] | str:
-    """(mountpoint, state dir) of a live tierfs mount, or an error message."""
-    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415  (pyfuse3 and trio, only when asked)
-
-    try:
-        mnt, hot, _ = live_mount(mountpoint)
-    except NotServing as e:
-        return str(e)
-    return mnt, hot / ".tierfs"
-
-
 # ---------------------------------------------------------------------------------------------- compact
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
     from tierfs.tier.compaction import STAGES, jobs_dir, request_job, requests_dir
 
-    found = _mounted_state(args.mountpoint)
-    if isinstance(found, str):
-        return _fail(found)
-    mnt, state = found
+    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415  (pyfuse3 and trio, only when asked)
+
+    try:
+        mnt, hot, _ = live_mount(args.mountpoint)
+    except NotServing as e:
+        return _fail(str(e))
+    state = hot / ".tierfs"
     stages = [args.only] if args.only else list(STAGES)
     spark = {"spark.master": args.master} if args.master else {}
     job_id = request_job(state, stages, spark, args.min_age)
@@ -326,10 +318,13 @@ def message_json(m: cl.Message, phys: int) -> dict:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    found = _mounted_state(args.mountpoint)
-    if isinstance(found, str):
-        return _fail(found)
-    mnt, state = found
+    from tierfs.fs.mount import NotServing, live_mount  # noqa: PLC0415  (pyfuse3 and trio, only when asked)
+
+    try:
+        mnt, hot, _ = live_mount(args.mountpoint)
+    except NotServing as e:
+        return _fail(str(e))
+    state = hot / ".tierfs"
     root = mnt / args.store if args.store else mnt
     if args.store and not root.is_dir():
         return _fail(f"--store {args.store}: {root} is not a directory below the mount")
