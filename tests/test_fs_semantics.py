@@ -537,6 +537,39 @@ def test_a_new_file_never_gets_the_inode_of_one_the_kernel_still_holds(mounted):
     assert hot_names(mounted) == {"00000000000000001000", "TopicB", "topics.json", "other", "TopicC", "TopicE"}
 
 
+def test_unlinked_file_gives_its_blocks_back_once_no_fd_can_read_it(mounted):
+    """The pin of an unlinked inode stays until the kernel FORGETs it, which may come after the caller's next
+    write; it held the file's blocks till then, and a writer that deleted a file to make room got ENOSPC on a
+    full hot dir (CI). An O_PATH fd keeps the kernel from forgetting the inode here, for as long as we look."""
+    pinned = mounted.hot / ".tierfs" / "unlinked"
+    data = os.urandom(8 * MiB)
+    closed, still_open = mounted.path("00000000000000000000"), mounted.path("00000000000008388608")
+    closed.write_bytes(data)
+    fd = os.open(still_open, os.O_RDWR | os.O_CREAT, 0o644)
+    held = []
+    try:
+        assert os.write(fd, data) == len(data)
+        os.fsync(fd)  # in the hot file, not only in the kernel's writeback cache
+        held = [os.open(closed, os.O_PATH), os.open(still_open, os.O_PATH)]
+        pins = [pinned / str(os.fstat(h).st_ino) for h in held]
+        wait_for(lambda: mounted.status()["open_files"] == 1, 30, what="the writer's close to be answered")
+        os.unlink(closed)  # no fd holds it: its blocks are free when unlink returns
+        assert os.stat(pins[0]).st_blocks == 0, "an unlinked file that no fd holds kept its blocks"
+        os.unlink(still_open)  # an fd still reads it
+        assert os.stat(pins[1]).st_blocks * 512 >= len(data)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(fd, len(data), 0) == data
+        os.close(fd)
+        fd = -1
+        wait_for(lambda: os.stat(pins[1]).st_blocks == 0, 30, what="the blocks to go at the last close")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        for h in held:
+            os.close(h)
+    wait_for(lambda: not os.listdir(pinned), 30, what="the pins to go once the kernel forgot the inodes")
+
+
 def test_directory_with_10000_entries(mounted):
     """readdir over many batches (a busy consumequeue/ or index/ dir), exact names and sizes, rmdir rules.
     1,000 entries are created through the mount; 9,000 more are made directly in the hot dir to keep the test

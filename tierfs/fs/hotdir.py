@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 
 PINNED_DIR = ".tierfs/unlinked"  # below the hot dir; the root's .tierfs is the control dir through the mount
 
@@ -95,6 +96,17 @@ class HotDir:
         except FileNotFoundError:
             return None
         return st
+
+    def empty_pinned(self, pin: str) -> None:
+        """Blocking: cut a pinned regular file to size 0, giving its blocks back while its link (and so its
+        st_ino) stays until the kernel forgets it. Anything but a regular file is left alone."""
+        if not stat.S_ISREG(self.lstat(pin).st_mode):  # the pin dir is the daemon's: nothing else renames in it
+            return
+        fd = os.open(pin, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
 
     def replace_pinned(self, src: str, rel: str) -> os.stat_result | None:
         """Blocking: rename file `src` over `rel`; if that was the last name of another file, that one gets a

@@ -443,6 +443,7 @@ class TierOperations(pyfuse3.Operations):
             self.inodes.pinned(ino, pin_path(st.st_ino))
         if self.engine is not None:
             await self.engine.on_unlink(rel, ino, self.inodes.any_fd(ino) if st.st_nlink <= 1 else None)
+        await self._free_blocks_if_unreachable(ino)
 
     @_handler("rmdir")
     async def rmdir(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -490,6 +491,24 @@ class TierOperations(pyfuse3.Operations):
                 held = self.inodes.any_fd(ino) if replaced.st_nlink <= 1 else None
                 await self.engine.on_unlink(new, ino, held)
             await self.engine.on_rename(old, new)
+        if pin:
+            await self._free_blocks_if_unreachable(self.inodes.ino_of(replaced))  # type: ignore[arg-type]
+
+    async def _free_blocks_if_unreachable(self, inode: int) -> None:
+        """An unlinked file that no fd holds can never be read again, yet its pin stays until the kernel FORGETs
+        the inode, and that may come after the caller's next write. Its blocks go now: space an unlink (or the
+        last close of an unlinked file) frees is free when it returns, as on a local disk, so a writer that
+        deleted a file to make room does not get ENOSPC."""
+        if self.engine is not None:
+            await self.engine.truncate_barrier(inode)  # a seal probe mapping it finishes first (no SIGBUS)
+        pin = self.inodes.pins.get(inode)
+        if pin is None or self.inodes.any_fd(inode) is not None:  # re-checked after the await: opened meanwhile
+            return
+        try:
+            self.hotdir.empty_pinned(pin)
+        except OSError as e:  # its blocks then go with the pin, at the FORGET
+            log.warning("could not free the blocks of unlinked inode %d (%s) before it is forgotten: %s", inode,
+                        pin, e)
 
     def _rename_over(self, old: str, new: str, old_st: os.stat_result, replaced: os.stat_result) -> None:
         """rename(old, new) where `new` is the last name of another file or directory: pin that one first."""
@@ -685,8 +704,10 @@ class TierOperations(pyfuse3.Operations):
         os.close(fh)
         if inode is not None:
             self.inodes.closed(inode, fh)
-            if self.engine is not None and self.inodes.any_fd(inode) is None and self.inodes.path(inode) is None:
-                await self.engine.on_released(inode)  # an unlinked file's last holder: its objects may go
+            if self.inodes.any_fd(inode) is None and self.inodes.path(inode) is None:
+                if self.engine is not None:
+                    await self.engine.on_released(inode)  # an unlinked file's last holder: its objects may go
+                await self._free_blocks_if_unreachable(inode)
 
     # ---------------------------------------------------------------- directories
 
