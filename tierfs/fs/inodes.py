@@ -10,7 +10,9 @@ its RELEASE; the inode stays cached until that RELEASE is answered). A new file 
 merged with the old inode, its page cache and size included, and the daemon would serve it from the old file's
 state. So a file or directory that loses its last name while the kernel or an fd may still hold it is *pinned*:
 its last link moves to hotdir.PINNED_DIR/<st_ino>, and the link goes only when the kernel has forgotten it and the
-last fd is closed (`_drop_inode`). Pins left by a daemon that died are cleared at the next mount.
+last fd is closed (`_drop_inode`). A pinned file's blocks go earlier, as soon as no fd holds it (nothing can read
+it then; TierOperations._free_blocks_if_unreachable), so an unlink frees space when it returns. Pins left by a
+daemon that died are cleared at the next mount.
 """
 
 from __future__ import annotations
