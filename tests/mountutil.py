@@ -167,6 +167,17 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10) -> int:
         return proc.wait(timeout=timeout)
 
 
+def fd_targets(pid: int) -> list[str]:
+    """What each open fd of `pid` points to (/proc/PID/fd links; fds closed while we look are skipped)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return targets
+
+
 def pid_alive(pid: int | None) -> bool:
     """True while `pid` exists and is not a zombie (a reaped-later daemon counts as gone)."""
     if pid is None:

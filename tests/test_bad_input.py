@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mountutil import evict, is_root, run, wait_for
+from mountutil import evict, fd_targets, is_root, run, wait_for
 from test_store_mount import PRODUCER, SMALL
 from test_tiering import TIER_OPTS, copy_in, segments, status
 
@@ -362,18 +362,6 @@ def fill(path: Path, limit: int) -> tuple[int, str]:
     return n, where
 
 
-def daemon_fds_on(pid: int, path: Path) -> list[str]:
-    """The daemon's open fds on `path` (a hot-dir file)."""
-    fds = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
-                fds.append(fd)
-        except FileNotFoundError:  # closed meanwhile
-            pass
-    return fds
-
-
 def test_hot_dir_full_gives_enospc_and_nothing_else_breaks(small_tmpfs, mount_store, reference_store, tmp_path):
     """The broker's active CommitLog fills the hot dir while older segments come up for sealing (the catalog
     lives on the same full file system): ENOSPC reaches the writer, nothing else breaks, space freed ends it."""
@@ -404,8 +392,8 @@ def test_hot_dir_full_gives_enospc_and_nothing_else_breaks(small_tmpfs, mount_st
     assert m.status()["hot_dir_bytes_free"] < 1 << 20
     # freeing space ends it: the space is free when unlink returns, writes work again, and the waiting
     # segments are sealed and tiered
-    held = m.hot_path("commitlog", active.name)
-    wait_for(lambda: not daemon_fds_on(m.pid, held), timeout=30, what="the daemon to answer the writer's close")
+    held = str(m.hot_path("commitlog", active.name))
+    wait_for(lambda: held not in fd_targets(m.pid), timeout=30, what="the daemon to answer the writer's close")
     os.unlink(active)
     free = os.statvfs(m.mnt).f_bavail * os.statvfs(m.mnt).f_frsize
     assert free > 16 << 20, f"{free} bytes free once unlink returned: the unlinked file's blocks are still held"

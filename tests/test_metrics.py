@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mountutil import evict, free_port, wait_for
+from mountutil import evict, fd_targets, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_tiering import (  # noqa: F401
     TIER_OPTS,
@@ -84,14 +84,7 @@ def check_histogram(fams: dict, name: str, count: str = "_count", **labels: str)
 
 def listening_ports(pid: int) -> set[int]:
     """TCP ports `pid` listens on: its socket fds matched against /proc/net/tcp{,6} rows in state LISTEN."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = {target[8:-1] for target in fd_targets(pid) if target.startswith("socket:[")}
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
