@@ -499,6 +499,8 @@ class TierOperations(pyfuse3.Operations):
         the inode, and that may come after the caller's next write. Its blocks go now: space an unlink (or the
         last close of an unlinked file) frees is free when it returns, as on a local disk, so a writer that
         deleted a file to make room does not get ENOSPC."""
+        if inode not in self.inodes.pins or self.inodes.any_fd(inode) is not None:
+            return  # nothing to free now: no unlink waits on a seal probe for nothing
         if self.engine is not None:
             await self.engine.truncate_barrier(inode)  # a seal probe mapping it finishes first (no SIGBUS)
         pin = self.inodes.pins.get(inode)
