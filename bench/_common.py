@@ -266,9 +266,59 @@ def mount_dev(mnt: Path) -> tuple[int, int] | None:
     return found
 
 
-class TierfsMount:
-    """`tierfs mount HOT MNT -o ...` that always goes away: clean umount, else lazy unmount, abort of the FUSE
-    connection and SIGTERM/SIGKILL of the daemon by its pid (never by name)."""
+class FuseMount:
+    """What every benchmark mount shares: its daemon's pid, its device (for the kernel knobs), a teardown that
+    always leaves nothing behind (lazy unmount, abort of the FUSE connection, SIGTERM/SIGKILL by pid, never by
+    name)."""
+
+    mnt: Path
+    pid: int | None = None
+    dev: tuple[int, int] | None = None
+
+    def _force_gone(self) -> None:
+        if _mounted(self.mnt.resolve()):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+        if self.pid is not None and _alive(self.pid):
+            self._kill(self.pid)
+        if self.dev is not None and _mounted(self.mnt.resolve()):  # last resort: abort the connection
+            with contextlib.suppress(OSError):
+                Path(f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}/abort").write_text("1")
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+
+    @staticmethod
+    def _kill(pid: int) -> None:
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if not _alive(pid):
+                return
+        log(f"daemon pid {pid} survived SIGKILL")
+
+    def stats(self) -> dict:
+        """FUSE request stats; a daemon without a control dir has none."""
+        return {"ops": {}}
+
+    def kernel_tuning(self) -> dict:
+        """What the kernel really uses for this mount (bdi read-ahead, fusectl knobs)."""
+        out: dict[str, Any] = {}
+        if self.dev is None:
+            return out
+        bdi = f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}"
+        paths = {k: f"{bdi}/{k}" for k in ("read_ahead_kb", "max_ratio", "strict_limit", "max_bytes")}
+        conn = f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}"
+        for k in ("max_background", "congestion_threshold"):
+            paths[k] = f"{conn}/{k}"
+        for k, p in paths.items():
+            with contextlib.suppress(OSError, ValueError):
+                out[k] = int(Path(p).read_text())
+        return out
+
+
+class TierfsMount(FuseMount):
+    """`tierfs mount HOT MNT -o ...` that always goes away: clean umount first, then FuseMount's teardown."""
 
     def __init__(self, hot: Path, mnt: Path, options: Sequence[str] = (), tierfs_src: str | None = None):
         self.hot, self.mnt = Path(hot).resolve(), Path(mnt).resolve()
@@ -313,26 +363,7 @@ class TierfsMount:
                     log(f"tierfs umount failed: {r.stderr.strip()}")
             except subprocess.TimeoutExpired:
                 log("tierfs umount timed out")
-        if _mounted(self.mnt.resolve()):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-        if self.pid is not None and _alive(self.pid):
-            self._kill(self.pid)
-        if self.dev is not None and _mounted(self.mnt.resolve()):  # last resort: abort the connection
-            with contextlib.suppress(OSError):
-                Path(f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}/abort").write_text("1")
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-
-    @staticmethod
-    def _kill(pid: int) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.05)
-            if not _alive(pid):
-                return
-        log(f"daemon pid {pid} survived SIGKILL")
+        self._force_gone()
 
     # -------------------------------------------------------------------------------- inspection
 
@@ -368,23 +399,80 @@ class TierfsMount:
 
         return dict(flat(tomllib.loads((self.mnt / ".tierfs" / "config").read_text())))
 
-    def kernel_tuning(self) -> dict:
-        """What the kernel really uses for this mount (bdi read-ahead, fusectl knobs)."""
-        out: dict[str, Any] = {}
-        if self.dev is None:
-            return out
-        bdi = f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}"
-        paths = {k: f"{bdi}/{k}" for k in ("read_ahead_kb", "max_ratio", "strict_limit", "max_bytes")}
+
+
+class FloorMount(FuseMount):
+    """bench/fuse_floor.c, built into `build_dir` and mounted over `src`: a passthrough in C with tierfs's kernel
+    settings (`tuning`: the tierfs mount's kernel_tuning(), written to this mount's bdi and fusectl). It is the
+    baseline for what FUSE itself costs, apart from what tierfs's Python request loop and engine add."""
+
+    SOURCE = Path(__file__).resolve().parent / "fuse_floor.c"
+
+    def __init__(self, src: Path, mnt: Path, build_dir: Path, tuning: dict | None = None, splice: bool = False,
+                 attr_timeout: float = 1.0):
+        self.src, self.mnt = Path(src).resolve(), Path(mnt).resolve()
+        self.build_dir, self.tuning, self.splice, self.attr_timeout = Path(build_dir), tuning or {}, splice, attr_timeout
+        self.log_path = self.build_dir / "fuse_floor.log"
+        self._proc: subprocess.Popen | None = None
+
+    def build(self) -> Path:
+        """Compile the floor daemon (a C compiler and libfuse3-dev, which the install scripts provide)."""
+        exe = self.build_dir / "fuse_floor"
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True)
+        if flags.returncode != 0:
+            raise RuntimeError(f"pkg-config fuse3 failed (install libfuse3-dev pkg-config): {flags.stderr.strip()}")
+        r = subprocess.run(["cc", "-O2", "-Wall", "-o", str(exe), str(self.SOURCE), *flags.stdout.split()],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"building {self.SOURCE.name} failed: {r.stderr.strip()}")
+        return exe
+
+    def __enter__(self) -> "FloorMount":
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        self.src.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        cmd = [str(self.build()), "--timeout", str(self.attr_timeout), *(["--splice"] if self.splice else []),
+               str(self.src), str(self.mnt)]
+        try:
+            with open(self.log_path, "wb") as logf:
+                self._proc = proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                                     start_new_session=True)
+            self.pid = proc.pid
+            wait_until(lambda: _mounted(self.mnt) or proc.poll() is not None, 30, "the floor mount")
+            if not _mounted(self.mnt):
+                raise RuntimeError(f"fuse_floor exited {proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            self.dev = mount_dev(self.mnt)
+            os.stat(self.mnt)  # INIT done: the kernel has set the bdi from our reply, so ours below stays
+            self._apply_tuning()
+        except BaseException:
+            self._force_gone()
+            raise
+        return self
+
+    def _apply_tuning(self) -> None:
+        assert self.dev is not None
         conn = f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}"
-        for k in ("max_background", "congestion_threshold"):
-            paths[k] = f"{conn}/{k}"
-        for k, p in paths.items():
-            with contextlib.suppress(OSError, ValueError):
-                out[k] = int(Path(p).read_text())
-        return out
+        where = {"read_ahead_kb": f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}/read_ahead_kb",
+                 "max_background": f"{conn}/max_background", "congestion_threshold": f"{conn}/congestion_threshold"}
+        for key, path in where.items():
+            if key in self.tuning:
+                try:
+                    Path(path).write_text(str(self.tuning[key]))
+                except OSError as e:
+                    log(f"could not set {path} = {self.tuning[key]}: {e.strerror}")
+
+    def __exit__(self, *exc: Any) -> None:
+        if _mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
+            with contextlib.suppress(RuntimeError):  # the daemon's loop ends at the unmount
+                wait_until(lambda: self.pid is None or not _alive(self.pid), 10, "fuse_floor to exit", poll=0.05)
+        self._force_gone()
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
 
 
-def set_bdi(mount: "TierfsMount", settings: Sequence[str]) -> dict:
+def set_bdi(mount: "FuseMount", settings: Sequence[str]) -> dict:
     """Write KEY=VALUE pairs to /sys/class/bdi/<mount dev>/KEY (e.g. max_ratio=20, strict_limit=0)."""
     done: dict[str, Any] = {}
     if mount.dev is None:

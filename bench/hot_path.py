@@ -29,10 +29,17 @@ median of the paired ratios, with its range.
     .venv/bin/python bench/hot_path.py --only c --py-spy /tmp/prof --perf /tmp/perf   # profile the daemon
     .venv/bin/python bench/hot_path.py --tierfs-src /tmp/snapshot   # daemon from another tree (A/B of versions)
     .venv/bin/python bench/hot_path.py --ab-src /work/wt/base13 --repeat 3   # both trees in the same run
+    .venv/bin/python bench/hot_path.py --floor --repeat 3          # + a C passthrough: FUSE's own cost
 
 With --ab-src DIR a second daemon from DIR is mounted too (its own hot dir, the c/d data file hard-linked into it)
 and every repetition runs each workload against it right after this tree's pair: the report adds the same-run
 ratio this tree / that tree (the median of the per-repetition ratios of the mount figures).
+
+With --floor (or --floor splice) bench/fuse_floor.c is built and mounted the same way: a passthrough in C on
+libfuse's low-level API with tierfs's kernel settings (writeback cache, keep_cache, attr timeout, and the
+read-ahead and max_background read back from the tierfs mount). Its figure over native is what FUSE itself
+costs on this machine; tierfs's over it is what tierfs's Python request loop and engine add. `splice` replies to
+READs by splicing from the file (one copy fewer than pyfuse3's reply), the lever a different binding would give.
 """
 
 from __future__ import annotations
@@ -262,7 +269,7 @@ def _work_of(wl: str, res: dict) -> float:
                   "d": res.get("ops")}[wl] or 0)
 
 
-def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.TierfsMount, native: Path,
+def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.FuseMount, native: Path,
              files: dict[str, Path], prof_dir: Path | None, rep: int) -> dict:
     """One workload on both sides, each in a fresh child (native first on even repetitions, mount first on odd).
     Returns both results, plus FUSE request stats and CPU used by the daemon and by the workload child."""
@@ -400,25 +407,27 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
     sys.stdout.flush()
 
 
-def print_ab(results: dict, results_b: dict, ab_src: str) -> None:
-    """Same-run A/B: this tree's mount figures over the --ab-src tree's, per repetition (each pair ran back to
-    back), the median and range of those ratios, and both trees' daemon CPU per unit of work."""
-    print(f"\nsame-run A/B, this tree / {ab_src} (mount figures; for d, latency: lower is better):")
+def print_ab(results: dict, results_b: dict, label: str) -> None:
+    """Same-run A/B: this tree's mount figures over the other mount's (--ab-src or --floor), per repetition (each
+    pair ran back to back), the median and range of those ratios, the other mount's own ratio to native, and both
+    daemons' CPU per unit of work."""
+    print(f"\nsame-run A/B, this tree / {label} (mount figures; for d, latency: lower is better):")
     table = []
     for wl, reps in results.items():
         keys = [("value", "p50")] + ([("p99_us", "p99")] if wl == "d" else [])
-        for key, label in keys:
+        for key, name in keys:
             ratios = [a["mount"][key] / b["mount"][key] for a, b in zip(reps, results_b[wl]) if b["mount"][key]]
-            table.append([f"{wl} {label if wl == 'd' else WORKLOADS[wl]}", reps[0]["mount"]["unit"] if key == "value"
-                          else "us", C.median(b["mount"][key] for b in results_b[wl]),
+            own = [b["mount"][key] / b["native"][key] for b in results_b[wl] if b["native"][key]]
+            table.append([f"{wl} {name if wl == 'd' else WORKLOADS[wl]}", reps[0]["mount"]["unit"] if key == "value"
+                          else "us", C.median(b["mount"][key] for b in results_b[wl]), f"{C.median(own):.2f}",
                           C.median(a["mount"][key] for a in reps), f"{C.median(ratios):.2f}",
                           f"{min(ratios):.2f}-{max(ratios):.2f}",
                           C.median(b["mount"].get("daemon_cpu_per_work", float("nan")) for b in results_b[wl]),
                           C.median(a["mount"].get("daemon_cpu_per_work", float("nan")) for a in reps)])
-    C.print_table(["workload", "unit", "--ab-src", "this tree", "this/ab", "range", "ab CPU/work", "this CPU/work"],
-                  table)
+    C.print_table(["workload", "unit", "other", "other/native", "this tree", "this/other", "range", "other CPU/work",
+                   "this CPU/work"], table)
     for wl, reps in results_b.items():
-        print(f"  {wl} --ab-src FUSE: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
+        print(f"  {wl} {label} FUSE: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -443,6 +452,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "snapshot, to compare versions; default: the installed tierfs")
     ap.add_argument("--ab-src", metavar="DIR",
                     help="also mount a daemon from this tree and run every workload on it in the same run")
+    ap.add_argument("--floor", nargs="?", const="copy", choices=("copy", "splice"),
+                    help="also mount bench/fuse_floor.c (a C passthrough; `splice`: READ replies spliced from the "
+                         "file) and run every workload on it in the same run")
     ap.add_argument("--segment-size", type=int, default=GiB)
     ap.add_argument("--record-size", type=int, default=1024)
     ap.add_argument("--flush-interval", type=float, default=0.5)
@@ -460,6 +472,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--child", nargs=2, metavar=("WL", "PARAMS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.only = [w.strip() for w in args.only.split(",") if w.strip()]
+    if args.floor and args.ab_src:
+        ap.error("--floor and --ab-src each add a second mount; choose one")
     bad = [w for w in args.only if w not in WORKLOADS]
     if bad:
         ap.error(f"--only: unknown workload(s) {bad}; choose from a,b,c,d")
@@ -511,16 +525,21 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as ab_stack, \
                 C.TierfsMount(hot, mntp, args.options, tierfs_src=args.tierfs_src) as mnt:
             mnt_b = None
-            if args.ab_src:
-                hot_b, mnt_bp = base / "hot-b", base / "mnt-b"
+            if args.ab_src or args.floor:  # a second mount serving the same data file from its own backing dir
+                back_b, mnt_bp = base / "back-b", base / "mnt-b"
                 if files:
-                    (hot_b / "data").mkdir(parents=True)
-                    os.link(files["hot"], hot_b / "data" / "readfile")
-                    files_b = {**files, "hot_b": hot_b / "data" / "readfile", "mount": mnt_bp / "data" / "readfile"}
+                    (back_b / "data").mkdir(parents=True)
+                    os.link(files["hot"], back_b / "data" / "readfile")
+                    files_b = {**files, "back_b": back_b / "data" / "readfile", "mount": mnt_bp / "data" / "readfile"}
                     files["mount_b"] = files_b["mount"]  # evicted too before this tree's runs
-                mnt_b = ab_stack.enter_context(C.TierfsMount(hot_b, mnt_bp, args.options, tierfs_src=args.ab_src))
+                mnt_b = ab_stack.enter_context(
+                    C.TierfsMount(back_b, mnt_bp, args.options, tierfs_src=args.ab_src) if args.ab_src else
+                    C.FloorMount(back_b, mnt_bp, base / "floor-build", tuning=mnt.kernel_tuning(),
+                                 splice=args.floor == "splice",
+                                 attr_timeout=float(mnt.config().get("mount.attr_timeout", 1.0))))
                 if args.bdi:
                     C.set_bdi(mnt_b, args.bdi)
+                C.log(f"second mount at {mnt_bp} (pid {mnt_b.pid}; {mnt_b.kernel_tuning()})")
             if args.bdi:
                 C.log(f"bdi settings applied: {C.set_bdi(mnt, args.bdi)}")
             tuning = mnt.kernel_tuning()
@@ -535,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(wl, reps) for wl, reps in results.items()]
     print_report(rows, results, args.options, tuning, args.seconds, args.bdi)
     if results_b:
-        print_ab(results, results_b, args.ab_src)
+        print_ab(results, results_b, args.ab_src or f"C floor ({args.floor})")
     if prof_dir:
         print("\ndaemon profiles (py-spy, share of samples):")
         for wl, reps in results.items():
