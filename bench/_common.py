@@ -385,6 +385,15 @@ class TierfsMount(FuseMount):
                 out["ops"][parts[0]] = {h: (int(v) if v.isdigit() else float(v)) for h, v in zip(header[1:], parts[1:])}
         return out
 
+    def wait_tuned(self, timeout: float = 30) -> dict:
+        """The kernel knobs once the daemon has set them (it does so after `tierfs mount` returns)."""
+        cfg = self.config()
+        want = {k: int(cfg.get(f"mount.{k}", 0)) for k in ("read_ahead_kb", "max_background")}
+        with contextlib.suppress(RuntimeError):  # a knob the kernel refuses stays as it is; the caller logs it
+            wait_until(lambda: all(self.kernel_tuning().get(k) == v for k, v in want.items() if v), timeout,
+                       f"the daemon to set {want}", poll=0.1)
+        return self.kernel_tuning()
+
     def status(self) -> dict:
         """Parsed MNT/.tierfs/status.json: {'files': [...], 'totals': {..., 'engine': {counters}}}."""
         return json.loads((self.mnt / ".tierfs" / "status.json").read_text())

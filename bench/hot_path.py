@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                     files["mount_b"] = files_b["mount"]  # evicted too before this tree's runs
                 mnt_b = ab_stack.enter_context(
                     C.TierfsMount(back_b, mnt_bp, args.options, tierfs_src=args.ab_src) if args.ab_src else
-                    C.FloorMount(back_b, mnt_bp, base / "floor-build", tuning=mnt.kernel_tuning(),
+                    C.FloorMount(back_b, mnt_bp, base / "floor-build", tuning=mnt.wait_tuned(),
                                  splice=args.floor == "splice",
                                  attr_timeout=float(mnt.config().get("mount.attr_timeout", 1.0))))
                 if args.bdi:
