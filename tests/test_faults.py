@@ -478,3 +478,37 @@ def test_a_fetch_failing_after_its_reader_gave_up_never_fails_a_later_read(mount
         os.close(fd)
     assert read_outcome(m.mnt / rel, want) == "ok"
     assert m.alive()
+
+
+def test_unmount_with_a_stalled_store_ends_before_umount_stops_waiting(mount_store, rgw, fault_proxy):
+    """A store that accepts connections and answers nothing at unmount (a full Ceph cluster blocks every write
+    so, as bench/cold_read.py's RAM-backed one did) kept the daemon alive past `tierfs umount`'s 60 s: the final
+    upload round waits on worker threads that no cancellation stops, each call for read_timeout x attempts. Now
+    the daemon exits within SHUTDOWN_DEADLINE_S as after a crash, says why in its log, and the next mount serves
+    every byte. Production timeouts (30 s per attempt, 5 attempts). Fails on fcfd091: the daemon outlives the
+    umount's wait."""
+    from tierfs.fs.mount import SHUTDOWN_DEADLINE_S, UMOUNT_WAIT_S
+
+    m = mount_store(options=[s3_opts(rgw, fault_proxy, "faults-umount",
+                                     ",objectstore.read_timeout_seconds=30,objectstore.max_attempts=5")])
+    data = os.urandom(3 << 20)
+    (m.mnt / "config").mkdir()
+    with open(m.mnt / "config" / "state.json", "wb") as f:  # an active file: continuous tiering uploads it
+        f.write(data)
+        os.fsync(f.fileno())
+    fault_proxy.set("stall")
+    with open(m.mnt / "config" / "state.json", "r+b") as f:  # changed after the stall: the final round has work
+        f.write(data[:4096][::-1])
+        os.fsync(f.fileno())
+    t0 = time.monotonic()
+    res = m.cli("umount", str(m.mnt), timeout=UMOUNT_WAIT_S + 60)
+    took = time.monotonic() - t0
+    assert not m.is_mounted()
+    assert not m.alive(), f"the daemon outlived `tierfs umount` ({took:.0f} s): {res.stderr}"
+    assert res.returncode == 1 and "without a clean shutdown" in res.stderr, (res.returncode, res.stderr)
+    assert took < UMOUNT_WAIT_S + 5, took
+    assert f"did not finish within {SHUTDOWN_DEADLINE_S:.0f} s of the unmount" in m.log_text()
+    fault_proxy.passthrough()
+    m.mount()
+    assert (m.mnt / "config" / "state.json").read_bytes() == data[:4096][::-1] + data[4096:]
+    m.umount()

@@ -180,13 +180,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
         return _fail(f"could not unmount {mnt}: {r.stderr.strip() or r.stdout.strip()} "
                      f"(files still open? see fuser -m {mnt})", 1)
     if pid is not None:
-        from tierfs.fs.mount import pid_alive  # noqa: PLC0415
+        from tierfs.fs.mount import UMOUNT_WAIT_S, pid_alive  # noqa: PLC0415
 
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + UMOUNT_WAIT_S
         while time.monotonic() < deadline and pid_alive(pid):  # a zombie has exited: do not wait for its reaping
             time.sleep(0.05)
         if pid_alive(pid):
-            return _fail(f"daemon pid {pid} did not exit within 60 s after unmount", 1)
+            return _fail(f"daemon pid {pid} did not exit within {UMOUNT_WAIT_S:.0f} s after unmount", 1)
         if pid_file.exists():
             return _fail(f"daemon pid {pid} exited without a clean shutdown; see {hot}/.tierfs/tierfs.log", 1)
     print(f"tierfs: unmounted {mnt}")

@@ -2,7 +2,8 @@
 
 The daemon holds an fcntl lock on HOT_DIR/.tierfs/daemon.lock for its whole life, so a second daemon on the
 same hot dir is refused instead of corrupting it. Its pid file is removed only on a clean exit, which is how
-`tierfs umount` tells a clean shutdown from a crash.
+`tierfs umount` tells a clean shutdown from a crash. Once the mount is gone the daemon exits within
+SHUTDOWN_DEADLINE_S, before `tierfs umount` stops waiting, whatever the object store does (ShutdownWatchdog).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,10 @@ from tierfs.fs.operations import DAEMON_UMASK, STATE_DIR_NAME, TierOperations
 from tierfs.fs.stats import FsStats
 
 log = logging.getLogger("tierfs.mount")
+
+UMOUNT_WAIT_S = 60.0  # how long `tierfs umount` waits for the daemon to exit after the unmount
+SHUTDOWN_DEADLINE_S = UMOUNT_WAIT_S - 5.0
+EXIT_SHUTDOWN_DEADLINE = 3
 
 
 class MountError(RuntimeError):
@@ -349,7 +356,40 @@ def other_users_warning(paths: MountPaths, config: Config, read_only: bool = Fal
             f"another user")
 
 
+class ShutdownWatchdog:
+    """Once the mount is gone the daemon has `deadline_s` to exit. Its last steps (the end of the engine's tasks,
+    the final upload round and snapshot, the lease release) call the object store from worker threads that no
+    cancellation stops, and a store that accepts connections but answers nothing (a full Ceph cluster blocks
+    writes so) holds each call for read_timeout x attempts. Past the deadline the daemon logs every thread's stack
+    and exits as after a crash: nothing acknowledged is lost (the hot dir holds every byte, the catalog commits
+    transactions) and the next mount recovers; the pid file stays, so `tierfs umount` says it was not clean."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self._timer = threading.Timer(deadline_s, self._expired)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        if not self._timer.is_alive() and not self._timer.finished.is_set():
+            self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expired(self) -> None:
+        frames = sys._current_frames()
+        stacks = "".join(f"thread {t.name}:\n" + "".join(traceback.format_stack(frames[t.ident]))
+                         for t in threading.enumerate() if t.ident in frames and t is not threading.current_thread())
+        log.error("the shutdown did not finish within %.0f s of the unmount (an object store that does not "
+                  "answer?); exiting as after a crash: nothing acknowledged is lost, the next mount recovers. "
+                  "Threads:\n%s", self.deadline_s, stacks)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_SHUTDOWN_DEADLINE)
+
+
 async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -> None:
+    watchdog = ShutdownWatchdog(SHUTDOWN_DEADLINE_S)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, nursery.cancel_scope,
@@ -357,12 +397,17 @@ async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -
             nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
             if engine is not None:
                 await engine.run(nursery)
-            await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
+            try:
+                await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
+            finally:  # unmounted, signalled or failed: the engine's tasks end next, each may wait on the store
+                watchdog.start()
             nursery.cancel_scope.cancel()
     finally:
+        watchdog.start()  # the engine's own start may have failed before the loop ran
         if engine is not None:
             with trio.CancelScope(shield=True):
                 await engine.shutdown()
+        watchdog.cancel()
 
 
 async def _watch_signals(scope: trio.CancelScope, evict_now: Callable[[], None] | None) -> None:
