@@ -753,8 +753,13 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size
     setup: dict = {"size": size}
     reps: list[dict] = []
-    # RAM-backed OSD: the chunk objects and the single rclone object, plus headroom for RGW's own objects
-    with C.ceph_rgw(memstore_bytes=max(4 << 30, 3 * size + (1 << 30)), keep=args.keep) as rgw, \
+    # RAM-backed OSD, sized for all it gets: the chunk objects of every segment, the single rclone object, the
+    # ceiling's never-tiered copy (continuous tiering uploads it, maybe twice while it is being written), one more
+    # tree's worth with --ab-src, and headroom for RGW's own objects and Ceph's full ratio (0.95). A full OSD blocks
+    # every write without an error: the daemon's final snapshot then hangs at the unmount.
+    stored = (max(args.readers, 1) + (0 if args.no_rclone else 1) + (0 if args.no_ceiling else 2)) * size
+    memstore = int(1.25 * (stored * (2 if args.ab_src else 1) + (1 << 30)))
+    with C.ceph_rgw(memstore_bytes=max(4 << 30, memstore), keep=args.keep) as rgw, \
             C.temp_base(args.dir, prefix="tierfs-cold-", keep=args.keep) as base:
         bucket = rgw.make_bucket(args.bucket)
         ref = base / "reference-segment"
