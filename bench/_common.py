@@ -409,7 +409,6 @@ class TierfsMount(FuseMount):
         return dict(flat(tomllib.loads((self.mnt / ".tierfs" / "config").read_text())))
 
 
-
 class FloorMount(FuseMount):
     """bench/fuse_floor.c, built into `build_dir` and mounted over `src`: a passthrough in C with tierfs's kernel
     settings (`tuning`: the tierfs mount's kernel_tuning(), written to this mount's bdi and fusectl). It is the

@@ -7,8 +7,8 @@
  * the kernel's FUSE paths plus the least a request loop can add. What tierfs loses against it is tierfs's:
  * the Python request loop (pyfuse3 + trio) and the engine. Two reply modes:
  *   (default) pread into a buffer, then fuse_reply_buf: one copy into the kernel, as pyfuse3 replies;
- *   --splice  fuse_reply_data from the file: libfuse splices the bytes through a pipe, the copy it saves is the
- *             lever a binding with a spliced reply would give.
+ *   --splice  fuse_reply_data from the file: libfuse splices the bytes through a pipe instead, which tells
+ *             whether a binding with a spliced reply would save anything.
  * Inodes are O_PATH fds counted by lookups and dropped at FORGET (unlinked files give their space back).
  *
  *   cc -O2 -o fuse_floor fuse_floor.c $(pkg-config --cflags --libs fuse3)
