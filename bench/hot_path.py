@@ -549,9 +549,13 @@ def main(argv: list[str] | None = None) -> int:
             for wl in args.only:
                 results[wl] = []
                 for rep in range(args.repeat):
-                    results[wl].append(run_pair(wl, args, env, mnt, native, files, prof_dir, rep))
+                    # with a second mount, each goes first every other repetition (the second one ran faster by
+                    # up to 12 % on d in A/Bs of two nearly identical trees, whichever tree it was)
+                    sides = [(mnt, files, prof_dir, results.setdefault(wl, []))]
                     if mnt_b is not None:
-                        results_b.setdefault(wl, []).append(run_pair(wl, args, env, mnt_b, native, files_b, None, rep))
+                        sides.append((mnt_b, files_b, None, results_b.setdefault(wl, [])))
+                    for m, fs, prof, out in (sides if rep % 2 == 0 else sides[::-1]):
+                        out.append(run_pair(wl, args, env, m, native, fs, prof, rep))
             tuning = mnt.kernel_tuning()
     rows = [summarize(wl, reps) for wl, reps in results.items()]
     print_report(rows, results, args.options, tuning, args.seconds, args.bdi)
