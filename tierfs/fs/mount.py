@@ -404,10 +404,12 @@ async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -
             nursery.cancel_scope.cancel()
     finally:
         watchdog.start()  # the engine's own start may have failed before the loop ran
-        if engine is not None:
-            with trio.CancelScope(shield=True):
-                await engine.shutdown()
-        watchdog.cancel()
+        try:
+            if engine is not None:
+                with trio.CancelScope(shield=True):
+                    await engine.shutdown()
+        finally:
+            watchdog.cancel()  # done, or failed with a traceback: either way the daemon exits right after
 
 
 async def _watch_signals(scope: trio.CancelScope, evict_now: Callable[[], None] | None) -> None:
