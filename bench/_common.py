@@ -301,19 +301,21 @@ class FuseMount:
         """FUSE request stats; a daemon without a control dir has none."""
         return {"ops": {}}
 
+    def knob_paths(self) -> dict[str, Path]:
+        """The mount's kernel knobs: its bdi's (read-ahead, dirty limits) and its FUSE connection's (fusectl)."""
+        if self.dev is None:
+            return {}
+        bdi = Path(f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}")
+        conn = Path(f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}")
+        return {**{k: bdi / k for k in ("read_ahead_kb", "max_ratio", "strict_limit", "max_bytes")},
+                **{k: conn / k for k in ("max_background", "congestion_threshold")}}
+
     def kernel_tuning(self) -> dict:
         """What the kernel really uses for this mount (bdi read-ahead, fusectl knobs)."""
         out: dict[str, Any] = {}
-        if self.dev is None:
-            return out
-        bdi = f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}"
-        paths = {k: f"{bdi}/{k}" for k in ("read_ahead_kb", "max_ratio", "strict_limit", "max_bytes")}
-        conn = f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}"
-        for k in ("max_background", "congestion_threshold"):
-            paths[k] = f"{conn}/{k}"
-        for k, p in paths.items():
+        for k, p in self.knob_paths().items():
             with contextlib.suppress(OSError, ValueError):
-                out[k] = int(Path(p).read_text())
+                out[k] = int(p.read_text())
         return out
 
 
@@ -458,16 +460,13 @@ class FloorMount(FuseMount):
         return self
 
     def _apply_tuning(self) -> None:
-        assert self.dev is not None
-        conn = f"/sys/fs/fuse/connections/{os.makedev(*self.dev)}"
-        where = {"read_ahead_kb": f"/sys/class/bdi/{self.dev[0]}:{self.dev[1]}/read_ahead_kb",
-                 "max_background": f"{conn}/max_background", "congestion_threshold": f"{conn}/congestion_threshold"}
-        for key, path in where.items():
+        paths = self.knob_paths()
+        for key in ("read_ahead_kb", "max_background", "congestion_threshold"):  # what tierfs sets for itself
             if key in self.tuning:
                 try:
-                    Path(path).write_text(str(self.tuning[key]))
+                    paths[key].write_text(str(self.tuning[key]))
                 except OSError as e:
-                    log(f"could not set {path} = {self.tuning[key]}: {e.strerror}")
+                    log(f"could not set {paths[key]} = {self.tuning[key]}: {e.strerror}")
 
     def __exit__(self, *exc: Any) -> None:
         if _mounted(self.mnt):

@@ -547,7 +547,6 @@ def main(argv: list[str] | None = None) -> int:
             tuning = mnt.kernel_tuning()
             C.log(f"mounted {hot} at {mntp} (daemon pid {mnt.pid}; {tuning})")
             for wl in args.only:
-                results[wl] = []
                 for rep in range(args.repeat):
                     # with a second mount, each goes first every other repetition (the second one ran faster by
                     # up to 12 % on d in A/Bs of two nearly identical trees, whichever tree it was)
