@@ -3,11 +3,14 @@
 Actions: `raise` (default; an unexpected exception at that point), `kill` (SIGKILL of the daemon itself,
 for crash-consistency tests), or `sleep:SECONDS`: at hit() the thread holds that point (so a test can act while
 work is in flight); at an async failpoint (`pause`) the trio loop runs other tasks meanwhile, widening a race
-window. Parsed once at import; an unset variable costs one frozenset lookup per check.
+window. A hold is logged when it starts and when it ends ("failpoint NAME: holding"/"held"), so a test can wait
+for it and check that what it did landed inside. Parsed once at import; an unset variable costs one frozenset
+lookup per check.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -33,7 +36,9 @@ def hit(name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action.startswith("sleep:"):
+        logging.getLogger("tierfs.failpoints").info("failpoint %s: holding %s s", name, action[6:])
         time.sleep(float(action[6:]))
+        logging.getLogger("tierfs.failpoints").info("failpoint %s: held", name)
         return
     raise FailpointError(f"failpoint {name}")
 
@@ -45,9 +50,7 @@ async def pause(name: str) -> None:
     if action is None:
         return
     if action.startswith("sleep:"):
-        import logging  # noqa: PLC0415 - only tests arm failpoints
-
-        import trio  # noqa: PLC0415
+        import trio  # noqa: PLC0415 - only tests arm failpoints
 
         logging.getLogger("tierfs.failpoints").info("failpoint %s: pausing %s s", name, action[6:])
         await trio.sleep(float(action[6:]))

@@ -243,6 +243,8 @@ class StateCollector:
         errors.add_metric(["fetch"], s.fetch_errors)
         errors.add_metric(["corrupt_object"], s.corrupt_objects)
         errors.add_metric(["upload"], s.upload_failures)
+        # continuous tiering's append objects that failed (a file deleted before its upload is not one)
+        errors.add_metric(["append_upload"], alog.put_failures if alog is not None else 0)
         yield errors
         down = eng.store_down_since
         yield GaugeMetricFamily(PREFIX + "objectstore_down_seconds",

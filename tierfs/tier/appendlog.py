@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import crc32c
 import trio
 
+from tierfs import failpoints
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectStoreError, validate_key
 from tierfs.store import commitlog
@@ -385,6 +386,7 @@ class AppendLog:
             if flush:
                 await self._flush(self._to_flush(files))
             self._defer_holes = flush
+            await failpoints.pause("appendlog.upload")  # tests: files go between the walk and their uploads
             n_obj, n_bytes, failed, upload_error = await self._upload_tails(files)
             self.checkpoints = checkpoints
             rows = self._offset_rows()
@@ -596,13 +598,18 @@ class AppendLog:
                 t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
             dirty, t.dirty = t.dirty, []  # writes during the upload start the next list
             try:
-                objs, end = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
+                done = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
             except (ObjectStoreError, OSError) as e:
                 t.dirty = dirty + t.dirty  # Non-StopWrite: the next round uploads them (under new keys)
                 self.put_failures += 1
                 failed.add(t.ino)
                 error = error or e
                 continue
+            if done is None:  # deleted since the walk (a broker's retention, all day long): no error, no upload
+                log.debug("%s went before its continuous upload; its tail is retired", rel)
+                live.discard(st.st_ino)
+                continue
+            objs, end = done
             if self.tails.get(t.ino) is not t:  # its file went for good meanwhile (inode_freed)
                 for o in objs:
                     self.retired[o.key] = time.time()
@@ -633,11 +640,15 @@ class AppendLog:
         for o in t.objects:
             self.retired.setdefault(o.key, now)
 
-    def _upload_one(self, t: Tail, dirty: list[tuple[int, int]]) -> tuple[list[TailObject], int]:
+    def _upload_one(self, t: Tail, dirty: list[tuple[int, int]]) -> tuple[list[TailObject], int] | None:
         """Blocking: upload what changed in one file: at the first upload every byte up to its last data; later
         the ranges written since (and, for append-only kinds, anything past the committed offset, which holds
-        even for a write this daemon did not see). Returns the new objects and the new committed offset."""
-        fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        even for a write this daemon did not see). Returns the new objects and the new committed offset, or None
+        when the file is gone (once open, a deletion no longer matters: the fd reads the file's bytes)."""
+        try:
+            fd = os.open(self.eng.hot / t.rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
         try:
             st = os.fstat(fd)
             if st.st_ino != t.ino:

@@ -26,6 +26,7 @@ import trio
 from tierfs import failpoints
 from tierfs.tier.blockcache import block_runs, pinned_ranges
 from tierfs.tier.catalog import Entry, State
+from tierfs.tier.state import ReadFailed
 
 if TYPE_CHECKING:
     from tierfs.tier.engine import Engine
@@ -129,7 +130,7 @@ class Evictor:
                         e.set_resident(b, False)
                         eng.cache_bytes -= e.block_len(b)
             rows = [e.copy() for e, _, _ in picked]
-            await eng.db(eng.catalog.save_residency, rows)
+            await eng.db(self._save_victims, rows)
             failpoints.hit("tier.evict")
             await failpoints.pause("tier.evict_saved")  # tests: names change between the commit and the punches
             for e, gen, blocks in picked:
@@ -139,13 +140,23 @@ class Evictor:
                     except OSError as err:  # one file's failure must not leave the others half-done
                         log.warning("evicting %s failed (%s); its blocks are fetched again when read", e.path, err)
 
+    def _save_victims(self, rows: list[Entry]) -> None:
+        """Blocking, on the catalog thread: the victims' bitmaps without the blocks to punch."""
+        self.eng.catalog.save_residency(rows)
+        failpoints.hit("tier.evict_commit")  # tests: hold the catalog thread, so an unlink's commit waits behind
+
     def _punch(self, e: Entry, blocks: list[int]) -> None:
         """Punch the given non-resident blocks out of the hot file through the file's own fd, keeping pinned
         pages. A block fetched again (or being fetched, or being written in by an install) meanwhile is left
-        alone. No await in here."""
+        alone. A file deleted meanwhile (its unlink still committing: the entry is live, its name is gone) has
+        nothing left to evict: a broker's retention, not an error. No await in here."""
         eng = self.eng
         inflight, installing, streams = eng.cache.inflight, eng.cache.installing, eng.cache.streams
-        fd = eng.fd(e)
+        try:
+            fd = eng.fd(e)
+        except (FileNotFoundError, NotADirectoryError, ReadFailed) as err:  # ReadFailed: another file has its name
+            log.debug("%s went while being evicted (%s)", e.path, err)
+            return
         pins = pinned_ranges(e) if not eng.read_only else []
         freed = 0
         for first, n in block_runs(e, blocks, 1 << 30):
@@ -175,9 +186,10 @@ class Evictor:
         self._dirty.clear()
         dirty = [e for e in dirty if eng.tiered.get(e.ino) is e and eng.has_fd(e)]
         before = [bytes(e.resident) for e in dirty]
-        fds = [eng.fd(e) for e in dirty]
+        # copies of the engine's fds: a file deleted meanwhile has its fd closed (and its number maybe reused)
+        fds = [os.dup(eng.fd(e)) for e in dirty]
         try:
-            await trio.to_thread.run_sync(lambda: [os.fdatasync(fd) for fd in fds])
+            await trio.to_thread.run_sync(self._sync, fds)
             # a bit goes to the catalog only if it was set before the fdatasync (its bytes are durable) and is
             # still set now (not given up by an eviction meanwhile); no await between this and queueing the save
             rows = []
@@ -190,3 +202,14 @@ class Evictor:
         except BaseException:
             self._dirty.update(e.file_id for e in dirty)
             raise
+
+    @staticmethod
+    def _sync(fds: list[int]) -> None:
+        """Blocking: fdatasync and close each fd."""
+        failpoints.hit("tier.residency_sync")  # tests: files are deleted while this holds
+        try:
+            for fd in fds:
+                os.fdatasync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
