@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from mountutil import Mount, helper_children, pid_alive, wait_for
 from test_store_mount import CONSUMER, PRODUCER, SMALL, consume
-from test_tiering import TIER_OPTS, reference_store  # noqa: F401 (a fixture)
+from test_tiering import TIER_OPTS, copy_in, reference_store  # noqa: F401 (a fixture)
 
 from tierfs.objectstore import open_store
 from tierfs.objectstore.base import ObjectStoreError
@@ -440,6 +440,93 @@ def test_s3_store_failing_midstream_then_takeover(tmp_path, mount_store, cleanup
     cleanup_list.append(b)
     got = consume(b.mnt, "--redispatch", "--check-keys", "200")
     assert got["ok"] and got["messages"] >= n1 and got["cq_units"] >= n1, (got, n1)
+
+
+def _read_pages(p: Path, off: int, size: int) -> bytes:
+    """One pread of [off, off+size) by a new reader: its kernel pages dropped first, and no read-ahead (random
+    advice), so the daemon is asked for these pages and nothing around them."""
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return os.pread(fd, size, off)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("backend", ["file", "rgw"])
+def test_takeover_serves_pinned_pages_from_the_store(tmp_path, mount_store, cleanup_list, backend, request):
+    """Issue 27, finding 4: a takeover builds its tiered segments as sparse files with nothing local, yet the block
+    cache took the pinned pages (the first page of every segment, the last of every ConsumeQueue: DESIGN §4) as
+    local on every writable mount. A pread of just those pages, which a broker's recovery and cleaning make,
+    returned zeros, and the kernel kept them. Now the hot file decides: the pages are fetched on their first read,
+    kept in the hot file, and stay there through an eviction."""
+    ref = tmp_path / "ref"
+    r = subprocess.run([sys.executable, str(PRODUCER), str(ref), "--commitlog-size", str(1 << 20), "--cq-size",
+                        "100000", "--index-slots", "500", "--index-items", "2000", "--messages", "12000",
+                        "--topics", "1", "--queues", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    extra = ""
+    if backend == "rgw":
+        rgw = request.getfixturevalue("rgw")
+        bucket = rgw.make_bucket("tier-pins")
+        url, src = f"s3://{bucket}/stores", f"s3://{bucket}/stores/pins"
+        extra = (f",objectstore.endpoint_url={rgw.endpoint_url},objectstore.access_key_id={rgw.access_key},"
+                 f"objectstore.secret_access_key={rgw.secret_key},objectstore.addressing=path")
+    else:
+        (tmp_path / "objects").mkdir()
+        url = src = f"file://{tmp_path / 'objects'}"
+        src += "/pins"
+    opts = [TIER_OPTS, f"objectstore.url={url},store.id=pins,tiering.rpo_seconds={RPO},lease.ttl_seconds=60,"
+                       f"compaction.enabled=false{extra}"]
+    a = mount_store(options=opts)
+    copy_in(ref, a.mnt)
+    cqs = [f"consumequeue/TopicTest/0/{n:020d}" for n in (0, 100000)]  # full (sealed): 2 blocks of 64 KiB each
+    segs = cqs + ["commitlog/00000000000000000000"]
+
+    def tiered() -> bool:
+        files = {f["path"]: f for f in status(a)["files"]}
+        return all(files.get(rel, {}).get("state") == "tiered" for rel in segs)
+    wait_for(tiered, timeout=90, what=f"{segs} tiered")
+    wait_round_after(a, time.time())  # a point that names them tiered
+    a.kill(signal.SIGKILL)
+    shutil.rmtree(a.hot)
+
+    b, _ = takeover(tmp_path, src, opts, "b")
+    cleanup_list.append(b)
+    files = {f["path"]: f for f in status(b)["files"]}
+    assert all(files[rel]["state"] == "tiered" and files[rel]["resident_bytes"] == 0 for rel in segs), files
+    pages = []  # (segment, offset, length) of every pinned page
+    for rel in segs:
+        size = (ref / rel).stat().st_size
+        pages.append((rel, 0, 4096))
+        if rel in cqs:
+            last = (size - 1) // 4096 * 4096
+            pages.append((rel, last, size - last))
+    wrong = []
+    for rel, off, n in pages:
+        got = _read_pages(b.mnt / rel, off, n)
+        if got != (ref / rel).read_bytes()[off:off + n]:
+            wrong.append(f"{rel} [{off}, {off + n}): {'zeros' if not got.strip(bytes(1)) else 'wrong bytes'}")
+    assert not wrong, f"pinned pages read through the takeover: {wrong}"
+
+    def held_locally() -> bool:  # the first read kept each page in the hot file (installed in the background)
+        for rel, off, n in pages:
+            with open(b.hot / rel, "rb") as f:
+                if os.pread(f.fileno(), n, off) != (ref / rel).read_bytes()[off:off + n]:
+                    return False
+        return True
+    wait_for(held_locally, timeout=30, what="the pinned pages kept in the hot files")
+
+    def evicted() -> bool:  # a segment read in the last second is left alone: then ask again
+        res = b.cli("evict", b.mnt)
+        assert res.returncode == 0, res.stderr
+        return all(f["resident_bytes"] == 0 for f in status(b)["files"] if f["path"] in segs)
+    wait_for(evicted, timeout=60, interval=0.5, what="the segments evicted on request")
+    fetches = status(b)["totals"]["engine"]["fetches"]
+    for rel, off, n in pages:
+        assert _read_pages(b.mnt / rel, off, n) == (ref / rel).read_bytes()[off:off + n], (rel, off)
+    assert status(b)["totals"]["engine"]["fetches"] == fetches, "pinned pages were fetched again after an eviction"
 
 
 def test_rpo_config_is_documented():

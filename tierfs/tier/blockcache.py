@@ -11,6 +11,12 @@ keeps the budget by LRU), the blocks of a sequential stream (prefetched, or aske
 the cache is below its low watermark, so a large scan never pushes other files out. Sequential readers get read-ahead (tierfs.tier.readahead).
 A write or truncate of a tiered segment first fetches what it keeps and turns the file HOT at a new generation.
 
+Pinned pages (the first page of every segment, the last of every ConsumeQueue: DESIGN §4) are kept in the hot file
+when their blocks are evicted, but a hot file need not hold them: a takeover builds its tiered segments as sparse
+files with nothing local. So the hot file decides, never the rule: a page is local once the file is seen to hold it
+(SEEK_DATA/SEEK_HOLE, remembered: nothing punches a kept page, and a rewrite is a new generation); until then it is
+fetched like any evicted byte, and the first whole read of it writes it into the hot file, where it stays.
+
 A random read (no read-ahead window) of a raw segment that has a finer verification table (tierfs.tier.units)
 fetches only the verification units it touches (4 KiB by default) in one ranged GET, checks each, and is answered
 from the pool, where units live under the key (file id, generation, ~unit); they are not written into the hot
@@ -166,8 +172,17 @@ def pinned_ranges(e: Entry) -> list[tuple[int, int]]:
 
 
 def in_pinned(e: Entry, off: int, end: int) -> bool:
-    """Does [off, end) lie inside one pinned range (a page that never leaves the hot file)?"""
+    """Does [off, end) lie inside one pinned range (a page a broker reads at start or when cleaning)?"""
     return any(p0 <= off and end <= p1 for p0, p1 in pinned_ranges(e))
+
+
+def holds_data(fd: int, lo: int, hi: int) -> bool:
+    """Does the file hold [lo, hi) with no hole in it? False too when the file system cannot tell (EINVAL): the
+    bytes are then fetched, never served as zeros."""
+    try:
+        return os.lseek(fd, lo, os.SEEK_DATA) == lo and os.lseek(fd, lo, os.SEEK_HOLE) >= hi
+    except OSError:  # ENXIO: no data at or after lo
+        return False
 
 
 def block_runs(e: Entry, blocks: list[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -219,6 +234,8 @@ class BlockCache:
         self._installs: dict[int, int] = {}  # file id -> installs in flight
         self._install_done = trio.Event()
         self._frozen: set[int] = set()  # file ids being rewritten: no install may start
+        self._pins_local: set[tuple[int, int, int]] = set()  # (file id, generation, offset): pinned pages held
+        self._pin_installs: set[tuple[int, int, int]] = set()  # ... being written into the hot file
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
@@ -268,6 +285,7 @@ class BlockCache:
             unit_gaps = self._missing_units(e, missing, off, end) if missing and not window else None
             if not missing or unit_gaps == []:
                 data = self._cut(e, off, end, sequential=window > 0)  # no await since the check
+                self._keep_pin(e, off, end, data)
                 for b in range(off // bb, (end - 1) // bb + 1):
                     stream.consumed(b)
                 if window:
@@ -291,12 +309,75 @@ class BlockCache:
         raise ReadFailed(f"{e.path}: blocks kept being evicted while reading {off}+{size}")
 
     def _missing(self, e: Entry, off: int, end: int) -> list[int]:
-        """Blocks of [off, end) that are neither in memory nor resident (a pinned page needs none)."""
-        if not self.eng.read_only and in_pinned(e, off, end):
-            return []
+        """Blocks of [off, end) that are neither in memory nor resident (none for a pinned page the hot file
+        holds)."""
         pool, fid, gen = self.pool, e.file_id, e.generation
-        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
-                if not e.is_resident(b) and (fid, gen, b) not in pool]
+        out = [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1)
+               if not e.is_resident(b) and (fid, gen, b) not in pool]
+        return [] if out and self._pin_local(e, off, end) else out
+
+    def kept_pins(self, e: Entry) -> list[tuple[int, int]]:
+        """The pinned ranges of `e` this mount keeps in the hot file when it evicts (the evictor's rule). None on a
+        read-only mount: its cache is punched whole."""
+        return [] if self.eng.read_only else pinned_ranges(e)
+
+    def _pin_local(self, e: Entry, off: int, end: int) -> bool:
+        """Does the hot file hold [off, end), a part of one kept pinned page? Asked of the file itself (a takeover's
+        sparse file holds none), except while an install is writing that page; a page found held is remembered.
+        No await."""
+        fid, gen, bb = e.file_id, e.generation, e.block_bytes
+        for p0, p1 in self.kept_pins(e):
+            if not (p0 <= off and end <= p1):
+                continue
+            key = (fid, gen, p0)
+            if key in self._pins_local:
+                return True
+            if key in self._pin_installs or any((fid, gen, b) in self.installing
+                                                for b in range(p0 // bb, (p1 - 1) // bb + 1)):
+                return False  # being written: not known whole yet (fetched meanwhile)
+            if holds_data(self.eng.fd(e), p0, p1):
+                if len(self._pins_local) >= 1 << 16:
+                    self._pins_local.clear()  # only a memory of the probe: deleted files' entries go with it
+                self._pins_local.add(key)
+                return True
+        return False
+
+    def _keep_pin(self, e: Entry, off: int, end: int, data: bytes | memoryview) -> None:
+        """A reply that is a whole kept pinned page the hot file does not hold yet (nor will once an install of its
+        block lands): write it there in a worker thread, so the page stays local from now on as DESIGN §4 wants
+        (the evictor never punches it). Not while the file is being rewritten. No await."""
+        fid, gen, bb = e.file_id, e.generation, e.block_bytes
+        if (off, end) not in self.kept_pins(e) or fid in self._frozen:
+            return
+        key = (fid, gen, off)
+        blocks = range(off // bb, (end - 1) // bb + 1)
+        if key in self._pin_installs or all(e.is_resident(b) or (fid, gen, b) in self.installing for b in blocks):
+            return
+        if self._pin_local(e, off, end):
+            return
+        self._pin_installs.add(key)
+        self._install_begin(fid)
+        self.eng.start_soon(self._install_pin, e, key, bytes(data))
+
+    async def _install_pin(self, e: Entry, key: tuple[int, int, int], page: bytes) -> None:
+        """Write a pinned page into the hot file through a dup of the engine's fd, then remember it as held if the
+        file is still this tiered generation."""
+        ok = False
+        try:
+            fd = os.dup(self.eng.fd(e))
+            try:
+                await trio.to_thread.run_sync(os.pwrite, fd, page, key[2], limiter=self._install_limiter)
+                ok = True
+            finally:
+                os.close(fd)
+        except (OSError, ReadFailed) as err:
+            log.warning("keeping pinned page %d of %s locally failed (%s); it is fetched again when needed", key[2],
+                        e.path, err)
+        finally:
+            self._pin_installs.discard(key)
+            self._install_end(key[0])
+        if ok and self._same(e, key[1]):
+            self._pins_local.add(key)
 
     def _units(self, e: Entry) -> int:
         """The verification unit a random read of `e` may fetch by, 0 when it has no table at hand (lz4c, an older
@@ -413,7 +494,7 @@ class BlockCache:
                 run_lo = run_hi = hi
                 parts += pieces
                 continue
-            if mv is None:  # resident (or a pinned page)
+            if mv is None:  # resident (or a pinned page the hot file holds)
                 if run_hi != lo:
                     run_lo = lo
                 run_hi = hi
@@ -434,11 +515,10 @@ class BlockCache:
         return b"".join(parts)
 
     def _needs_fetch(self, e: Entry, off: int, end: int) -> list[int]:
-        """Blocks of [off, end) not resident in the hot file (what a rewrite needs there, pooled or not)."""
-        # read-only: the sparse local files hold no pinned pages; never serve a hole as zeros
-        if not self.eng.read_only and in_pinned(e, off, end):
-            return []
-        return [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
+        """Blocks of [off, end) not resident in the hot file (what a rewrite needs there, pooled or not; none for a
+        pinned page the hot file holds)."""
+        out = [b for b in range(off // e.block_bytes, (end - 1) // e.block_bytes + 1) if not e.is_resident(b)]
+        return [] if out and self._pin_local(e, off, end) else out
 
     async def _ensure(self, e: Entry, blocks: list[int], deadline: float, scan: bool = False) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
@@ -878,7 +958,7 @@ class BlockCache:
         elif todo and self._keep_locally(nbytes, scan):
             self.installing.update((fid, gen, b) for b, _, _ in todo)
             self.installing_bytes += nbytes
-            self._installs[fid] = self._installs.get(fid, 0) + 1
+            self._install_begin(fid)
             for _, _, buf in todo:
                 if buf is not None:  # the install's hold: the pool may let the block go before it is written
                     self.pool.buffers.hold(buf)
@@ -933,11 +1013,7 @@ class BlockCache:
                     self.pool.buffers.release(buf)
             self.installing.difference_update(keys)
             self.installing_bytes -= nbytes
-            left = self._installs.pop(fid) - 1
-            if left:
-                self._installs[fid] = left
-            self._install_done.set()
-            self._install_done = trio.Event()
+            self._install_end(fid)
         if not ok or not self._same(e, gen):
             return
         for b, view, _ in todo:
@@ -946,6 +1022,17 @@ class BlockCache:
                 eng.cache_bytes += len(view)
         eng.stats.install_bytes += nbytes
         eng.evictor.residency_changed(e)
+
+    def _install_begin(self, file_id: int) -> None:
+        """An install into the file's hot file starts: a rewrite waits for it (_installs_done). No await."""
+        self._installs[file_id] = self._installs.get(file_id, 0) + 1
+
+    def _install_end(self, file_id: int) -> None:
+        left = self._installs.pop(file_id) - 1
+        if left:
+            self._installs[file_id] = left
+        self._install_done.set()
+        self._install_done = trio.Event()
 
     async def _installs_done(self, file_id: int) -> None:
         while self._installs.get(file_id):

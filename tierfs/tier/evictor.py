@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs import failpoints
-from tierfs.tier.blockcache import block_runs, pinned_ranges
+from tierfs.tier.blockcache import block_runs
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.state import ReadFailed
 
@@ -157,7 +157,7 @@ class Evictor:
         except (FileNotFoundError, NotADirectoryError, ReadFailed) as err:  # ReadFailed: another file has its name
             log.debug("%s went while being evicted (%s)", e.path, err)
             return
-        pins = pinned_ranges(e) if not eng.read_only else []
+        pins = eng.cache.kept_pins(e)
         freed = 0
         for first, n in block_runs(e, blocks, 1 << 30):
             for b in range(first, first + n):

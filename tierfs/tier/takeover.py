@@ -7,9 +7,11 @@ On a machine with an empty HOT_DIR, before the engine opens its catalog:
    snapshot pointer, uploads and deletes are refused (it checks the epoch in the store before each batch);
 2. read the newest consistent point (catalog snapshot pointer, written last by the old writer's round);
 3. build the hot dir: directories and symlinks; sealed segments as sparse files whose catalog rows are TIERED
-   (fetched on demand); mutable files (checkpoint, config/*, IndexFiles) from their content-addressed blobs and
-   active segments from their append objects, local and whole, every block checked by its crc32c (their upload
-   offsets go into the catalog: the new writer's first round uploads only what changed since);
+   (fetched on demand, their pinned pages too: nothing is local here, the block cache keeps those pages in the
+   hot file from their first read on); mutable files (checkpoint, config/*, IndexFiles) from their
+   content-addressed blobs and active segments from their append objects, local and whole, every block checked by
+   its crc32c (their upload offsets go into the catalog: the new writer's first round uploads only what changed
+   since);
 4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes (due after
    the grace period) and pipeline artifacts, and an id sequence moved far above the old writer's, so an object
    key it may still have put after the snapshot is never one of ours.
