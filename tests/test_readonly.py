@@ -30,6 +30,7 @@ from test_tiering import TIER_OPTS, copy_in, reference_store, wait_tiered_and_ev
 from tierfs.objectstore import open_store
 from tierfs.tier import snapshot as snap
 from tierfs.tier.lease import LeaseHeld, WriterLease, lease_key
+from tierfs.tier.references import BeingDeleted, References
 
 
 class ReadOnlyMount(Mount):
@@ -298,6 +299,89 @@ def test_snapshot_failpoint_leaves_the_previous_pointer(mount_store, ro_mount, t
     assert ptr["seq"] >= 2  # after the orphaned .db, never reusing its number
     r.mount()
     assert (r.mnt / "config" / "topics.json").read_text() == "{}"
+
+
+def _unpublished_snapshot_naming(objects: Path, store_id: str, rel: str, tmp: Path) -> tuple[int, list[str]] | None:
+    """(seq, objects) of a snapshot whose .db is up but whose pointer is not yet, if its row of `rel` names segment
+    objects (the file was tiered when the snapshot read it)."""
+    store = open_store(f"file://{objects}")
+    published = pointer(objects, store_id)["seq"] if store.exists(snap.pointer_key(store_id)) else 0
+    seqs = [int(k[-15:-3]) for k in (i.key for i in store.list(snap.meta_prefix(store_id) + "catalog-"))
+            if k.endswith(".db") and int(k[-15:-3]) > published]
+    if not seqs:
+        return None
+    db_path = tmp / "unpublished.db"
+    db_path.write_bytes(store.get(snap.snapshot_key(store_id, max(seqs))))
+    db = sqlite3.connect(db_path)
+    try:
+        row = db.execute("SELECT objects FROM snapshot_files WHERE path=?", (rel,)).fetchone()
+    finally:
+        db.close()
+    keys = json.loads(row[0]) if row else []
+    return (max(seqs), keys) if keys and all(k.startswith(f"{store_id}/seg/") for k in keys) else None
+
+
+def test_in_flight_snapshot_keeps_its_objects(mount_store, ro_mount, reference_store, tmp_path):  # noqa: F811
+    """Issue 27, finding 5: with continuous tiering and delete.grace_seconds=0, a snapshot is held 8 s between its
+    .db and its pointer (failpoint snapshot.upload). It read a tiered segment's row; the segment is deleted while it
+    is held and the janitor runs; then its pointer goes up. A read-only mount of it reads every byte of the
+    segment. It read EIO: only published snapshots held objects, so the janitor had deleted them."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    sid, rel = "inflight", "commitlog/00000000000000000000"
+    store = open_store(f"file://{objects}")
+    w = mount_store(options=writer_opts(objects, sid, ",tiering.rpo_seconds=1"),
+                    env={"TIERFS_FAILPOINTS": "snapshot.upload=sleep:8"})
+    # first a published snapshot without the segment: until one is, the writer deletes nothing at all
+    wait_for(lambda: store.exists(snap.pointer_key(sid)), timeout=60, what="a first published snapshot")
+    data = (reference_store / rel).read_bytes()  # a full CommitLog segment: sealed by its content
+    (w.mnt / "commitlog").mkdir()
+    with open(w.mnt / rel, "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    held: list = []
+    wait_for(lambda: held.append(_unpublished_snapshot_naming(objects, sid, rel, tmp_path)) or held[-1] is not None,
+             timeout=120, interval=0.2, what="a snapshot naming the tiered segment, held before its pointer")
+    seq, keys = held[-1]
+    os.unlink(w.mnt / rel)  # its objects are due at once; the janitor runs every 2 s while the snapshot is held
+    wait_for(lambda: pointer(objects, sid)["seq"] >= seq, timeout=60, what="the held snapshot published")
+    assert pointer(objects, sid)["seq"] == seq  # the next one is held 8 s too: this one stays the newest
+    w.kill(signal.SIGKILL)
+    gone = [k for k in keys if not store.exists(k)]
+    r = ro_mount(f"file://{objects}/{sid}")
+    assert status(r.mnt)["snapshot"]["seq"] == seq
+    try:
+        got = (r.mnt / rel).read_bytes()
+    except OSError as e:
+        raise AssertionError(f"{rel} of snapshot {seq}: {e}; objects deleted under it: {gone}") from None
+    assert got == data and not gone, gone
+
+
+def test_references_hold_what_snapshots_name():
+    """The reference authority's in-memory part: nothing goes before the kept snapshots are known; an in-flight
+    snapshot holds what it named until it is published (then until pruned) or ends; a snapshot cannot name what
+    a delete has taken."""
+    refs = References()
+    with refs.may_delete(["a"]) as free:
+        assert free == [] and refs.roll_requested
+    refs.keep([1], lambda seq: {"a"})
+    with refs.in_flight() as flight:
+        flight.name(["b"])
+        with refs.may_delete(["a", "b", "c"]) as free:
+            assert free == ["c"]
+            with pytest.raises(BeingDeleted):
+                flight.name(["c"])
+    with refs.may_delete(["b", "c"]) as free:  # that snapshot ended unpublished
+        assert free == ["b", "c"]
+    with refs.in_flight() as flight:
+        flight.name(["d"])
+        flight.publish(2)
+    with refs.may_delete(["d"]) as free:
+        assert free == []
+    refs.keep([2], lambda seq: set())  # snapshot 1 pruned
+    assert refs.named("") == {"d"}
+    with refs.may_delete(["a", "d"]) as free:
+        assert free == ["a"]
 
 
 def test_mount_refusals_for_read_only_arguments(tmp_path, capsys, fuse_required):

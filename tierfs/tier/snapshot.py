@@ -45,6 +45,8 @@ import stat
 import threading
 import time
 import urllib.parse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +58,7 @@ from tierfs import failpoints
 from tierfs.objectstore import ObjectStore, crc32c_file
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError, validate_key
 from tierfs.store.paths import classify
-from tierfs.tier import appendlog
+from tierfs.tier import appendlog, units
 from tierfs.tier.catalog import (
     COLUMNS,
     Catalog,
@@ -66,6 +68,7 @@ from tierfs.tier.catalog import (
     entry_to_row,
     row_to_entry,
 )
+from tierfs.tier.references import BeingDeleted, Flight, References
 
 if TYPE_CHECKING:
     from tierfs.tier.engine import Engine
@@ -86,6 +89,7 @@ _UPLOAD_MEMORY = 128 << 20  # chunks held at once by the parallel readers/upload
 _EXTRA_COLS = ("mode", "uid", "gid")
 _OBJECTS = COLUMNS.index("objects")
 _UNIT_CRCS = COLUMNS.index("unit_crcs")
+_UNIT_REF = COLUMNS.index("unit_ref")
 SCHEMA = f"""
 CREATE TABLE snapshot_files ({', '.join(c + (' TEXT PRIMARY KEY' if c == 'path' else '') for c in COLUMNS)},
                              mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL);
@@ -222,18 +226,24 @@ def _copy(e: Entry) -> Entry:
     return dataclasses.replace(e, resident=bytearray(), last_access=0.0)
 
 
+def _row_keys(objects: str, unit_ref: str) -> list[str]:
+    """Every object a snapshot_files row names: a reader may fetch its chunks and its verification table."""
+    table = units.ref_key(unit_ref)
+    return json.loads(objects) + ([table] if table else [])
+
+
 def _rows_and_digest(tiered: dict[str, Entry], stats: dict[str, os.stat_result], blobs: dict[str, tuple],
-                     tree: list[tuple], blob_pre: str, tails: dict[str, appendlog.TailRow] | None = None
+                     tree: list[tuple], tails: dict[str, appendlog.TailRow] | None = None
                      ) -> tuple[dict[str, tuple], bytes, set[str]]:
     """Every snapshot_files row, a digest of what a reader would see (an unchanged store is not uploaded again),
-    and the sha256 of every blob the rows use."""
+    and every object the snapshot names."""
     rows = {**blobs, **{rel: _file_row(e, stats[rel]) for rel, e in tiered.items()}}
     tail_rows = sorted(t.encode() + (t.slots,) for t in (tails or {}).values())
     # a verification table is fixed by its row's generation: its length stands for it (repr of megabytes is slow)
     brief = {k: r[:_UNIT_CRCS] + (len(r[_UNIT_CRCS]),) + r[_UNIT_CRCS + 1:] for k, r in rows.items()}
     digest = hashlib.sha256(repr((sorted(brief.items()), sorted(tree), tail_rows)).encode()).digest()
-    used = {k[len(blob_pre):] for r in blobs.values() for k in json.loads(r[_OBJECTS]) if k.startswith(blob_pre)}
-    return rows, digest, used
+    keys = {k for r in rows.values() for k in _row_keys(r[_OBJECTS], r[_UNIT_REF])}
+    return rows, digest, keys | {o.key for t in (tails or {}).values() for o in t.objects}
 
 
 class Snapshotter:
@@ -246,12 +256,9 @@ class Snapshotter:
         self._known: set[str] | None = None  # sha256 of the blobs in the store
         self._unref_since: dict[str, float] = {}
         self._files: dict[str, _Cached] = {}
-        self._blob_sets: dict[int, set[str]] = {}
-        self._key_sets: dict[int, set[str]] = {}  # segment objects each kept snapshot names
-        self._refs_known = False  # _key_sets covers every kept snapshot (after the first prune pass)
-        # due object deletes wait for kept snapshots that name them: the next periodic snapshot is then taken even
-        # if nothing changed, so the old ones roll out of the KEEP newest and the deletes can proceed
-        self.roll_requested = False
+        # the objects kept and in-flight snapshots name, which every delete asks about (the janitor, the append
+        # log's collector, the blob collection below)
+        self.references = References()
         self._last_digest: bytes | None = None
         self._zero: dict[int, tuple[str, bytes]] = {}
         self._mutex = threading.Lock()  # _known, counters and _zero, shared by the uploading threads
@@ -275,7 +282,7 @@ class Snapshotter:
             return
         while True:
             await trio.sleep(interval)
-            await self._take_logged("periodic", force=self.roll_requested)
+            await self._take_logged("periodic", force=self.references.roll_requested)
 
     async def final(self) -> None:
         """The snapshot at a clean unmount, bounded so the daemon still exits when the store is down."""
@@ -293,8 +300,8 @@ class Snapshotter:
             await self.take(reason, force)
             self.last_error = ""
             if force:
-                self.roll_requested = False
-        except (ObjectStoreError, OSError, sqlite3.Error, SnapshotError) as e:
+                self.references.roll_requested = False
+        except (ObjectStoreError, OSError, sqlite3.Error, SnapshotError, BeingDeleted) as e:
             self.last_error = f"{reason} snapshot: {e}"
             log.warning("catalog snapshot failed (%s); will try again", self.last_error)
         except Exception as e:  # never let a snapshot take the daemon down
@@ -303,13 +310,20 @@ class Snapshotter:
 
     # ------------------------------------------------------------------ one snapshot
 
+    @asynccontextmanager
+    async def _flight(self) -> AsyncIterator[Flight]:
+        """One snapshot at a time; what it names is held against deletes from the moment it reads a row."""
+        async with self._lock:
+            with self.references.in_flight() as flight:
+                yield flight
+
     async def take(self, reason: str, force: bool = False,
                    walked: tuple[list[tuple], dict[str, os.stat_result]] | None = None,
                    started: float | None = None) -> dict | None:
         """Take, upload and publish one snapshot; None when it would equal the previous one (unless forced).
         `walked`: the hot dir as `walk` found it earlier in a continuous-tiering round that started at `started`
         (the tails are stat'ed again: their append objects were uploaded since), so a round walks it once."""
-        async with self._lock:
+        async with self._flight() as flight:
             t0 = time.monotonic()
             started = time.time() if started is None or walked is None else started
             tmp = self.eng.state_dir / "snapshot.tmp.db"
@@ -341,6 +355,9 @@ class Snapshotter:
                     tiered[rel] = _copy(e)
                 else:
                     todo[rel] = e.generation if e is not None else 0
+            # held from this loop turn on: a delete decided later waits for this snapshot (issue 27)
+            flight.name([k for e in tiered.values() for k in e.all_objects()]
+                        + [o.key for t in tails.values() for o in t.objects])
             counters = [0, 0]  # blobs uploaded, bytes uploaded
             for _ in range(3):
                 if not todo:
@@ -351,6 +368,7 @@ class Snapshotter:
                     e = self.eng.entries.get(rel)
                     if e is not None and e.state is State.TIERED:
                         tiered[rel] = _copy(e)  # tiered (maybe evicted) while we read it
+                        flight.name(e.all_objects())
                     elif (e.generation if e is not None else 0) != gen:
                         again[rel] = e.generation if e is not None else 0  # re-tiered meanwhile: read it again
                     elif got.get(rel) is not None:
@@ -361,8 +379,7 @@ class Snapshotter:
                                     f"{min(todo)}")
             for rel in [r for r in self._files if r not in stats]:
                 del self._files[rel]
-            rows, digest, used = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree,
-                                                               blob_prefix(self.sid), tails)
+            rows, digest, keys = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree, tails)
             if digest == self._last_digest and not force:
                 tmp.unlink(missing_ok=True)
                 self.skipped += 1
@@ -370,6 +387,8 @@ class Snapshotter:
                 return None
             seq = await trio.to_thread.run_sync(self._next_seq)
             crc, size = await trio.to_thread.run_sync(self._finish_db, tmp, seq, rows, tree, started, reason, tails)
+            flight.name(keys)  # the blobs too (uploaded by this snapshot: no other delete can take them)
+            flight.publish(seq)  # before its pointer can go up: a failed publish stays held until the next prune
             ptr = Pointer(seq=seq, key=snapshot_key(self.sid, seq), time=started, crc32c=crc, size=size,
                           store_id=self.sid, chunk_bytes=self.eng.chunk, block_bytes=self.eng.block,
                           writer=f"{os.uname().nodename}:{self.eng.hot}")
@@ -378,9 +397,6 @@ class Snapshotter:
             self._last_digest = digest
             self.puts += counters[0] + 2
             self.put_bytes += counters[1] + size + len(ptr.encode())
-            self._blob_sets[seq] = used
-            self._key_sets[seq] = {k for r in rows.values() for k in json.loads(r[_OBJECTS])} | \
-                {o.key for t in tails.values() for o in t.objects}
             self.taken += 1
             self.last = {"seq": seq, "time": started, "key": ptr.key, "reason": reason, "files": len(rows) + len(tails),
                          "tails": len(tails),
@@ -577,22 +593,11 @@ class Snapshotter:
         keep = seqs[-KEEP:]
         self._verify_lease()
         self.store.delete_many([snapshot_key(self.sid, s) for s in seqs[:-KEEP]])
-        for s in list(self._blob_sets):
-            if s not in keep:
-                del self._blob_sets[s]
-        for s in list(self._key_sets):
-            if s not in keep:
-                del self._key_sets[s]
-        referenced: set[str] = set()
-        for s in keep:
-            if s not in self._blob_sets or s not in self._key_sets:
-                self._key_sets[s] = self._keys_of(s)
-                pre = blob_prefix(self.sid)
-                self._blob_sets[s] = {k[len(pre):] for k in self._key_sets[s] if k.startswith(pre)}
-            referenced |= self._blob_sets[s]
-        self._refs_known = True
+        self.references.keep(keep, self._keys_of)
         if self._known is None:
             return
+        pre = blob_prefix(self.sid)
+        referenced = {k[len(pre):] for k in self.references.named(pre)}
         now = time.time()
         grace = float(self.eng.config["delete.grace_seconds"])
         for sha in referenced:
@@ -605,27 +610,32 @@ class Snapshotter:
                 self._unref_since.pop(s, None)
             log.info("deleted %d snapshot blobs no kept snapshot uses", len(due))
 
+    @property
+    def roll_requested(self) -> bool:
+        """Kept for the append log (tierfs.tier.appendlog), which should ask self.references itself."""
+        return self.references.roll_requested
+
+    @roll_requested.setter
+    def roll_requested(self, value: bool) -> None:
+        self.references.roll_requested = value
+
     def unreferenced(self, keys: list[str]) -> list[str]:
-        """The keys no kept snapshot names: a read-only mount serving one of those snapshots may fetch any
-        object it names, so the writer deletes an object only once every snapshot naming it is pruned. Until
-        this process has read the kept snapshots once, nothing is deleted."""
-        if not self._refs_known:
-            self.roll_requested = bool(keys)
-            return []
-        named: set[str] = set().union(*self._key_sets.values()) if self._key_sets else set()
-        free = [k for k in keys if k not in named]
-        if len(free) < len(keys):
-            self.roll_requested = True
-        return free
+        """Kept for the append log's collector, which should use `self.references.may_delete` itself. No stale
+        row names a retired append object, so the reservation may end before its delete."""
+        with self.references.may_delete(keys) as free:
+            return free
 
     def _keys_of(self, seq: int) -> set[str]:
-        """Every object a kept snapshot names (segment objects and blobs): read its .db."""
+        """Every object a kept snapshot names (segment objects, their tables, blobs, tails): read its .db."""
         tmp = self.eng.state_dir / "snapshot.gc.db"
         tmp.write_bytes(self.store.get(snapshot_key(self.sid, seq)))
         try:
             db = sqlite3.connect(str(tmp))
             try:
-                keys = {k for (objs,) in db.execute("SELECT objects FROM snapshot_files") for k in json.loads(objs)}
+                have = {r[1] for r in db.execute("PRAGMA table_info(snapshot_files)")}
+                ref = "unit_ref" if "unit_ref" in have else "''"  # older snapshots have no table objects
+                keys = {k for objs, unit_ref in db.execute(f"SELECT objects, {ref} FROM snapshot_files")
+                        for k in _row_keys(objs, unit_ref)}
                 return keys | {o.key for t in appendlog.load_tails(db, self.sid) for o in t.objects}
             finally:
                 db.close()
