@@ -344,6 +344,96 @@ def test_put_if_absent_race_exactly_one_wins(store):
         assert store.get(key) == f"writer-{winner}".encode() * 1000
 
 
+# ------------------------------------------------------------------------------------------------ put_if_match, fence
+
+
+def test_put_if_match_is_a_compare_and_swap(store):
+    """Issue 27, finding 6: the lease objects are written only by compare-and-swap (S3 If-Match / If-None-Match,
+    posix a locked compare and rename). On RGW 16 this also covers its quirk: If-Match works only with the bare
+    etag, and the store finds the form that does."""
+    first = store.put_if_match("cas", b"one", None, {"who": "a"})  # create only
+    assert first and store.head("cas").etag == first and store.get("cas") == b"one"
+    assert store.put_if_match("cas", b"x", None) is None  # exists: not created
+    second = store.put_if_match("cas", b"two", first)
+    assert second and second != first and store.get("cas") == b"two"
+    assert store.put_if_match("cas", b"three", first) is None  # a stale etag
+    assert store.put_if_match("absent", b"x", first) is None and store.head("absent") is None
+    assert store.get("cas") == b"two" and dict(store.head("cas").metadata) == {
+        "crc32c": format_crc32c(crc32c_of(b"two"))}
+    assert keys_of(store.list()) == ["cas"]  # no lock or probe object shows
+
+
+def test_put_if_match_race_exactly_one_wins(store):
+    base = store.put_if_match("race", b"base", None)
+    for round_ in range(10):
+        barrier = threading.Barrier(3)
+        results: dict[int, str | None] = {}
+
+        def contender(i: int) -> None:
+            barrier.wait()
+            results[i] = store.put_if_match("race", f"{round_}-{i}".encode(), base)
+
+        threads = [threading.Thread(target=contender, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        won = [i for i, etag in results.items() if etag is not None]
+        assert len(won) == 1, results
+        assert store.get("race") == f"{round_}-{won[0]}".encode()
+        base = results[won[0]]
+
+
+def test_fence_is_asked_right_before_every_write_and_delete(store, big_file):
+    """ObjectStore.fence sees each mutating call with its keys, at the call (after a producer's wait, after the
+    parts of a multipart upload), and a refusal leaves the store as it was; reads are never fenced."""
+    from tierfs.objectstore.base import Fenced
+
+    store.put("keep", b"k")
+    store.put("src", b"s" * (6 * MiB))
+    seen: list[tuple[str, list[str]]] = []
+    refuse = threading.Event()
+
+    def fence(op: str, keys) -> None:
+        seen.append((op, list(keys)))
+        if refuse.is_set():
+            raise Fenced(keys[0], f"{op} refused by the test")
+
+    store.fence = fence
+    store.put("a", b"1")
+    assert seen and seen[-1][1] == ["a"]
+    store.get("a"), store.head("a"), list(store.list()), store.get_range("keep", 0, 1)
+    n = len(seen)
+    assert n == 1  # reads: never
+
+    def produced():
+        yield b"x" * 1000
+        refuse.set()  # e.g. the lease is taken over while an upload waits for its bandwidth
+        yield b"y" * 1000
+
+    calls = [("put", lambda: store.put("b", b"2")),
+             ("put_file", lambda: store.put_file("c", big_file)),  # multipart on S3: refused at completion
+             ("put_if_absent", lambda: store.put_if_absent("d", b"4")),
+             ("put_if_match", lambda: store.put_if_match("keep", b"5", store.head("keep").etag)),
+             ("compose", lambda: store.compose("e", [("src", 0, 6 * MiB)], crc32c=crc32c_of(b"s" * (6 * MiB)))),
+             ("delete", lambda: store.delete("keep")),
+             ("delete_many", lambda: store.delete_many(["keep", "a"]))]
+    for what, call in calls:
+        refuse.set()
+        with pytest.raises(ObjectStoreError, match="refused by the test"):
+            call()
+    refuse.clear()
+    with pytest.raises(ObjectStoreError, match="refused by the test"):
+        store.put_stream("f", produced())
+    assert keys_of(store.list()) == ["a", "keep", "src"] and store.get("keep") == b"k"
+    assert list(store.list_multipart_uploads()) == []  # aborts are not fenced: a refused upload cleans up
+    assert {k for _, keys in seen[n:] for k in keys} >= {"b", "c", "d", "e", "f", "keep"}
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.fence is None  # another process must not call back into this one
+    clone.close()
+    store.fence = None
+
+
 # ------------------------------------------------------------------------------------------------ keys
 
 

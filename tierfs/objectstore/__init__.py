@@ -18,12 +18,12 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from .base import (CRC32C_META, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore,
+from .base import (CRC32C_META, Fenced, MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore,
                    ObjectStoreError, ObjectStoreUnavailable, format_crc32c, parse_crc32c, validate_key,
                    validate_prefix)
 
 __all__ = [
-    "ObjectStore", "ObjectInfo", "MultipartUpload", "ObjectStoreError", "ObjectNotFound", "ObjectRangeError",
+    "ObjectStore", "ObjectInfo", "MultipartUpload", "ObjectStoreError", "Fenced", "ObjectNotFound", "ObjectRangeError",
     "ObjectStoreUnavailable", "open_store", "crc32c_of", "crc32c_file", "crc32c_fd", "format_crc32c", "parse_crc32c",
     "validate_key", "validate_prefix", "CRC32C_META",
 ]

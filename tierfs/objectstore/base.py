@@ -34,7 +34,17 @@ Errors
 All failures raise `ObjectStoreError` or a subclass, and every message names the object key (with the store's
 location): `ObjectNotFound` (no such key), `ObjectRangeError` (a ranged read past the end of the object),
 `ObjectStoreUnavailable` (network down, timeouts, 5xx or throttling after the backend's retries: try again
-later). Invalid arguments (bad key, bad metadata, negative range) raise ValueError.
+later), `Fenced` (the store's `fence` refused a write). Invalid arguments (bad key, bad metadata, negative range)
+raise ValueError.
+
+Fencing
+-------
+`fence`, when set, is called as fence(op, keys) immediately before each request that changes the store (the PUT,
+multipart completion, copy or DELETE request itself, and again before each retry of it; posix: before the rename,
+link or unlink that publishes or removes), after any wait of the caller or of the backend. It raises to refuse
+(the writer lease sets it: tierfs.tier.lease). Reads, the invisible steps of an upload (parts, staging) and
+aborts of uploads are not fenced: an abort changes nothing a reader sees, and a fenced writer cleans up after
+itself.
 """
 
 from __future__ import annotations
@@ -84,6 +94,10 @@ def _restore_error(cls: type, args: tuple, state: dict) -> "ObjectStoreError":
     Exception.__init__(err, *args)
     err.__dict__.update(state)
     return err
+
+
+class Fenced(ObjectStoreError):
+    """A write or delete refused by the store's fence: this process no longer holds the writer lease."""
 
 
 class ObjectNotFound(ObjectStoreError):
@@ -320,6 +334,18 @@ class ObjectStore(abc.ABC):
 
     #: True when put_if_absent is atomic on this backend (False: best-effort head + put, see put_if_absent).
     atomic_put_if_absent: bool = True
+    #: Called as fence(op, keys) right before every mutating request; raises (Fenced) to refuse it. See the
+    #: module docstring. Never pickled: a copy in another process must not call back into this one.
+    fence: Callable[[str, Sequence[str]], None] | None = None
+
+    def _fence(self, op: str, keys: Sequence[str]) -> None:
+        if self.fence is not None and keys:
+            self.fence(op, keys)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("fence", None)
+        return state
 
     @property
     @abc.abstractmethod
@@ -441,6 +467,17 @@ class ObjectStore(abc.ABC):
         conditional writes is detected (NotImplemented answer, or a probe showing the header is ignored) and the
         store falls back, with one warning, to a best-effort head-then-put that a concurrent writer can race.
         """
+
+    def put_if_match(self, key: str, data: bytes | bytearray | memoryview, etag: str | None,
+                     metadata: Mapping[str, str] | None = None) -> str | None:
+        """Compare and swap: replace `key` only if its etag is still `etag` (None: only if `key` does not exist).
+        Returns the etag of the new object, or None when the condition did not hold (nothing was written).
+
+        Atomic against other put_if_match calls of the key: posix under a lock file beside the key, S3 through a
+        conditional PUT (If-Match / If-None-Match), which the server checks atomically with the write. Identical
+        content gives an identical etag, so a caller that must see every change writes content that differs.
+        NotImplementedError: this store cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compare and swap objects")
 
     @abc.abstractmethod
     def list_multipart_uploads(self, prefix: str = "") -> Iterator[MultipartUpload]:

@@ -20,10 +20,11 @@ Why a trailer, not a sidecar `<key>.meta` and not xattrs:
 
 Atomic publication: content is written to `.tierfs-tmp.<random>.<name>` in the destination directory, fsynced,
 then renamed over the key (put) or hard-linked to it (put_if_absent: link(2) fails with EEXIST if the key exists,
-so exactly one concurrent writer wins), and the directory is fsynced. New directories are fsynced into their
-parents. Temporary files are hidden from `list` and are what `list_multipart_uploads` reports (a put_file is a
-streamed copy: the posix "multipart upload"); `abort_multipart` deletes one. Empty directories left by deletes
-are removed.
+so exactly one concurrent writer wins), and the directory is fsynced. put_if_match compares and renames under an
+exclusive lock on the file `.tierfs-cas` of the key's directory (flock, after a lock of the threads of this
+process). New directories are fsynced into their parents. Temporary files are hidden from `list` and are what
+`list_multipart_uploads` reports (a put_file is a streamed copy: the posix "multipart upload");
+`abort_multipart` deletes one. Empty directories left by deletes are removed.
 
 Plain objects: a key ending in one of PLAIN_SUFFIXES (".parquet": the message archive) is stored as the bare
 content, no trailer, so other tools (pyarrow, DuckDB, Spark) read the store directory in place. Such an object
@@ -46,9 +47,15 @@ import re
 import secrets
 import stat
 import struct
+import threading
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 from . import crc32c_fd
 from .base import (MultipartUpload, ObjectInfo, ObjectNotFound, ObjectRangeError, ObjectStore, ObjectStoreError,
@@ -62,6 +69,9 @@ _FOOTER = struct.Struct("<8sQIIII")
 FOOTER_SIZE = _FOOTER.size  # 32
 _RESERVED = ".tierfs-"
 _TMP = ".tierfs-tmp."
+_CAS = ".tierfs-cas"  # put_if_match's lock file in the key's directory (hidden from list, like temp files)
+_cas_mutex = threading.Lock()
+_cas_locks: dict[str, threading.Lock] = {}  # lock file path -> the lock threads of this process take first
 _COMPOSE_PIECE = 8 << 20  # compose copies through one buffer of at most this many bytes
 _TMP_RE = re.compile(r"^\.tierfs-tmp\.([0-9a-f]{16})\.(.+)$")
 MAX_SEGMENT_BYTES = 200
@@ -224,6 +234,7 @@ class PosixObjectStore(ObjectStore):
 
     def _publish(self, tmp: str, path: str, key: str, size: int, crc: int, meta: Mapping[str, str]) -> ObjectInfo:
         try:
+            self._fence("put", [key])
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -401,6 +412,7 @@ class PosixObjectStore(ObjectStore):
                 return False
             tmp, _, _, _ = self._stage_bytes(path, key, data, metadata)
             try:
+                self._fence("put_if_absent", [key])
                 os.link(tmp, path)
             except FileExistsError:
                 if os.path.isdir(path):
@@ -411,6 +423,43 @@ class PosixObjectStore(ObjectStore):
                     os.unlink(tmp)
             self._fsync_dir(os.path.dirname(path))
             return True
+
+    def put_if_match(self, key: str, data: bytes | bytearray | memoryview, etag: str | None,
+                     metadata: Mapping[str, str] | None = None) -> str | None:
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        with self._errors(key, "put_if_match"):
+            tmp, size, crc, _ = self._stage_bytes(path, key, data, metadata)
+            try:
+                with self._cas_lock(os.path.join(directory, _CAS)):
+                    cur = self.head(key)
+                    if (cur.etag if cur is not None else None) != etag:
+                        return None
+                    self._fence("put_if_match", [key])
+                    if etag is None:
+                        os.link(tmp, path)  # EEXIST only if a plain put raced us: not a compare-and-swap caller
+                    else:
+                        os.replace(tmp, path)
+                    self._fsync_dir(directory)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            return _etag(crc, size) if not is_plain(key) else self.head(key).etag
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _cas_lock(lock_path: str):
+        """Exclusive lock of the compare-and-swaps in one directory: threads of this process, then processes."""
+        with _cas_mutex:
+            mutex = _cas_locks.setdefault(lock_path, threading.Lock())
+        with mutex:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
 
     # ---------------------------------------------------------------------------------------------- reading
 
@@ -510,6 +559,7 @@ class PosixObjectStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         path = self._path(key)
+        self._fence("delete", [key])
         if self._unlink(key, path, "delete"):
             directory = os.path.dirname(path)
             with self._errors(key, "delete"):
@@ -519,6 +569,7 @@ class PosixObjectStore(ObjectStore):
     def delete_many(self, keys: Iterable[str]) -> None:
         """Unlink every object, then fsync each touched directory once and remove the ones left empty."""
         paths = [(key, self._path(key)) for key in keys]  # validate every key before deleting any
+        self._fence("delete_many", [key for key, _ in paths])  # once, as S3 for each batch of 1000
         touched: dict[str, str] = {}
         for key, path in paths:
             if self._unlink(key, path, "delete_many"):

@@ -17,6 +17,14 @@ uploader paces uploads itself, `upload.bandwidth_bytes_per_second`). Memory is b
 concurrency. A failed transfer aborts its multipart upload; one left by a killed process is found with
 `list_multipart_uploads` and removed with `abort_multipart`.
 
+Fencing (ObjectStore.fence): botocore event hooks on this store's client call the fence right before every
+attempt of PutObject, CompleteMultipartUpload, CopyObject and DeleteObject(s) (not of parts or aborts), including
+those s3transfer sends from its own threads, so a wait anywhere before (bandwidth, retries) is covered.
+Conditional writes: put_if_absent sends If-None-Match: *, put_if_match If-Match: <etag>. Ceph RGW 16 (Pacific)
+checks both atomically, but matches If-Match only against the bare etag (the quoted form AWS documents always
+fails there): the other form is tried once when the store answers 412 while still holding that very etag. RGW 16
+ignores If-Match on DeleteObject and If-None-Match on CompleteMultipartUpload: nothing here relies on either.
+
 Errors: 404/NoSuchKey -> ObjectNotFound; 416 or a short range -> ObjectRangeError; connection failures,
 timeouts, 5xx and throttling (after the retries) -> ObjectStoreUnavailable; everything else -> ObjectStoreError.
 Every message names s3://bucket/prefix/key.
@@ -64,6 +72,9 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
                "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
+_PROBE = ".tierfs-probe/"  # keys of the conditional-write probe, under the store prefix: never fenced
+_FENCED_OPS = ("PutObject", "CompleteMultipartUpload", "CopyObject", "DeleteObject", "DeleteObjects")  # what a
+# reader of the store can see: not the parts of an upload, nor its abort (a fenced writer cleans up after itself)
 _warned_emulation: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -263,6 +274,7 @@ class S3ObjectStore(ObjectStore):
         self.tls_verify = tls_verify
         self.conditional_put = _choice("conditional_put", conditional_put, ("auto", "native", "emulate"))
         self._cond_mode: str | None = None if self.conditional_put == "auto" else self.conditional_put
+        self._match_ignored = False  # the probe saw If-Match ignored: put_if_match emulates (racy, warned)
         self.payload_signing = _choice("payload_signing", payload_signing, ("auto", "always", "never"))
         self._init_runtime()
 
@@ -300,6 +312,28 @@ class S3ObjectStore(ObjectStore):
                                                   verify=self.tls_verify, config=config, **kwargs)
         # adaptive mode rate-limits inside botocore's retry handler, which the lean GET does not go through
         self._lean = LeanGet.of(self._client, self.bucket) if self.retry_mode != "adaptive" else None
+        self._match_quoted = False  # put_if_match: send the etag quoted (AWS) rather than bare (RGW 16)
+        events = self._client.meta.events
+        for op in _FENCED_OPS:
+            events.register(f"before-parameter-build.s3.{op}", self._fence_keys, unique_id=f"tierfs-fence-keys-{op}")
+            events.register(f"before-send.s3.{op}", self._fence_send, unique_id=f"tierfs-fence-send-{op}")
+
+    def _fence_keys(self, params: dict, context: dict, model: Any = None, **kwargs: Any) -> None:
+        """botocore hook: note the store-relative keys of a mutating request for `_fence_send`."""
+        if self.fence is None:
+            return
+        fulls = [o.get("Key", "") for o in (params.get("Delete") or {}).get("Objects", [])] \
+            if "Delete" in params else [params.get("Key", "")]
+        cut = len(self._kprefix)
+        keys = [f[cut:] if f.startswith(self._kprefix) else f for f in fulls]
+        if keys and not all(k.startswith(_PROBE) for k in keys):
+            context["tierfs_fence"] = (getattr(model, "name", "write"), keys)
+
+    def _fence_send(self, request: Any, **kwargs: Any) -> None:
+        """botocore hook, before each attempt of a mutating request: the fence decides now, after every wait."""
+        noted = (getattr(request, "context", None) or {}).get("tierfs_fence")
+        if noted is not None:
+            self._fence(*noted)
 
     def _payload_signing(self) -> dict[str, bool]:
         """Does an upload's SigV4 signature cover a SHA-256 of its body? The hash costs about as much CPU per
@@ -331,7 +365,7 @@ class S3ObjectStore(ObjectStore):
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_client", "_tm", "_lock", "_bx", "_net_errors", "_region", "_lean")}
+                 if k not in ("_client", "_tm", "_lock", "_bx", "_net_errors", "_region", "_lean", "fence")}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -652,7 +686,7 @@ class S3ObjectStore(ObjectStore):
         with self._lock:
             if self._cond_mode is not None:
                 return
-            probe = f"{self._kprefix}.tierfs-probe/{uuid.uuid4().hex}"
+            probe = f"{self._kprefix}{_PROBE}{uuid.uuid4().hex}"
             try:
                 for i in range(2):
                     try:
@@ -665,6 +699,7 @@ class S3ObjectStore(ObjectStore):
                         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                         if i == 1 and (status == 412 or code == "PreconditionFailed"):
                             self._cond_mode = "native"
+                            self._probe_if_match(probe)
                             return
                         if status == 501 or code == "NotImplemented":
                             self._use_emulation(f"the server answered {code or status} to If-None-Match")
@@ -680,6 +715,18 @@ class S3ObjectStore(ObjectStore):
                 except Exception:  # noqa: BLE001 - best effort
                     pass
 
+    def _probe_if_match(self, probe: str) -> None:
+        """Part of the probe: a PUT with If-Match of an etag the probe object does not have must be refused."""
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=probe, Body=b"probe", IfMatch="tierfs-no-such-etag")
+        except self._bx.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412:
+                return
+            raise self._translate(e, probe, "put_if_match (conditional write probe)") from e
+        self._match_ignored = True
+        log.warning("S3 object store %s: the server ignores If-Match on PUT; put_if_match falls back to a "
+                    "best-effort HEAD, compare, PUT, which concurrent writers can race", self.url)
+
     def _use_emulation(self, why: str) -> None:
         self._cond_mode = "emulate"
         ident = f"{self.endpoint_url or 'aws'}/{self.bucket}"
@@ -689,6 +736,54 @@ class S3ObjectStore(ObjectStore):
             _warned_emulation.add(ident)
         log.warning("S3 object store %s: conditional writes unavailable (%s); put_if_absent falls back to a "
                     "best-effort HEAD then PUT, which concurrent writers can race", self.url, why)
+
+    def put_if_match(self, key: str, data: bytes | bytearray | memoryview, etag: str | None,
+                     metadata: Mapping[str, str] | None = None) -> str | None:
+        """ObjectStore.put_if_match: one conditional PutObject (If-Match, or If-None-Match: * when `etag` is None).
+        A 412 is told apart from our own earlier attempt that succeeded (its answer lost, botocore retried) by a
+        token in the metadata, and from RGW's bare-etag quirk (see the module docstring) by the etag it still
+        has. A server without conditional writes gets a best-effort HEAD, compare, PUT (warned once)."""
+        from . import crc32c_of
+
+        full = self._full(key)
+        body = self._body(data)
+        meta = merge_crc32c(key, metadata, crc32c_of(body))
+        if self._cond_mode is None:
+            self._probe_conditional_put(key)
+        if self._cond_mode == "emulate" or self._match_ignored:
+            cur = self.head(key)
+            if (cur.etag if cur is not None else None) != etag:
+                return None
+            return self.put(key, body, metadata=meta).etag
+        token = secrets.token_hex(8)
+        flipped = False
+        for attempt in range(self.max_attempts + 2):
+            cond = {"IfNoneMatch": "*"} if etag is None else {
+                "IfMatch": f'"{etag}"' if self._match_quoted else etag}
+            try:
+                resp = self._client.put_object(Bucket=self.bucket, Key=full, Body=body,
+                                               Metadata={**meta, _TOKEN_META: token}, **cond)
+                return self._strip_etag(resp.get("ETag"))
+            except self._bx.ClientError as e:
+                code = str(e.response.get("Error", {}).get("Code", ""))
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412 or code == "PreconditionFailed":
+                    raw = self._head_raw(key)
+                    if raw is not None and (raw.get("Metadata") or {}).get(_TOKEN_META) == token:
+                        return self._strip_etag(raw.get("ETag"))  # ours: an earlier attempt's answer was lost
+                    if etag is not None and raw is not None and self._strip_etag(raw.get("ETag")) == etag \
+                            and not flipped:
+                        flipped = True  # the condition holds, yet the server refused this form of the etag
+                        self._match_quoted = not self._match_quoted
+                        continue
+                    return None
+                if status == 409 or code in ("ConditionalRequestConflict", "OperationAborted"):
+                    self._backoff(attempt)
+                    continue
+                raise self._translate(e, key, "put_if_match") from e
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, key, "put_if_match") from e
+        raise ObjectStoreUnavailable(key, "conditional write kept conflicting", self._where(key), "put_if_match")
 
     def _emulated_put_if_absent(self, key: str, full: str, body: bytes | bytearray, meta: dict[str, str]) -> bool:
         if self._head_raw(key) is not None:
