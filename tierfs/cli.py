@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --from: a writable mount of a lost writer's store on a new, empty HOT_DIR, from the "
                         "bucket's newest consistent point (takes the writer lease once it expired)")
     m.add_argument("--force", metavar="HOLDER",
-                   help="with --takeover: take the lease now, overriding HOLDER (host:hot dir, as the refusal names "
-                        "it); that writer is fenced")
+                   help="with --takeover: take the lease now, overriding HOLDER (the holder id the refusal names, "
+                        "or host:hot dir); that writer is fenced")
     m.add_argument("--cache-dir", metavar="DIR",
                    help="with --read-only: local cache (default /var/cache/tierfs/<store id>-<hash>)")
     m.add_argument("--config", metavar="FILE", help="TOML configuration file")

@@ -14,8 +14,8 @@ What is checked (DESIGN §4-§6):
 Mounted stores are checked read-only (the catalog is opened with mode=ro) and every finding is checked again
 against a fresh read of the catalog, so a segment the daemon evicted, rewrote or deleted during the scan is not
 reported. --repair needs the store unmounted; it holds the daemon lock for the whole run so no mount can start,
-and it refuses to run while another host or hot dir holds the store id's writer lease (its objects would look
-orphaned from here).
+and it refuses to run while any daemon but this hot dir's last one (as its state dir recorded it) holds the store
+id's writer lease (its objects would look orphaned from here).
 
 --repair does only what is safe: it deletes orphans whose segment the catalog knows (or that has no hot file),
 aborts stale uploads, restores falsely resident blocks from their verified objects (or marks them non-resident),
@@ -33,7 +33,6 @@ import fcntl
 import json
 import os
 import re
-import socket
 import sqlite3
 import sys
 import time
@@ -704,14 +703,14 @@ class Checker:
 
 
 def other_writer(store: ObjectStore, store_id: str, hot: Path) -> str | None:
-    """Who else holds a live writer lease on this store id (another host or hot dir), or None."""
-    from tierfs.tier.lease import WriterLease, holder_id  # noqa: PLC0415
+    """Who else holds a live writer lease on this store id (any daemon but this hot dir's own), or None."""
+    from tierfs.tier.lease import is_this_hot_dirs, read_current  # noqa: PLC0415
 
-    rec = WriterLease(store, store_id, hot, Path("-"), ttl=60).current()
+    got = read_current(store, store_id)
     now = time.time()
-    if rec is None or not rec.live(now) or rec.holder == holder_id(socket.gethostname(), hot):
+    if got is None or not got[0].live(now) or got[0].superseded_by or is_this_hot_dirs(got[0], store_id, hot):
         return None
-    return rec.describe(now)
+    return got[0].describe(now)
 
 
 def run(arg: str, *, deep: bool = False, repair: bool = False, as_json: bool = False,

@@ -535,7 +535,8 @@ def plan_sweep(infos: Iterable[ObjectInfo], store_id: str, retention: Mapping[st
 
 def sweep(store: ObjectStore, store_id: str, retention: Mapping[str, float], today: _dt.date,
           archived: Mapping[str, int]) -> SweepResult:
-    """List the archive once, delete expired and superseded files, and say which."""
+    """List the archive once, delete expired and superseded files, and say which. The deletes go through the
+    store's fence: the job's driver sets one that refuses them once the writer lease moved (tierfs.spark.job)."""
     plan = plan_sweep(store.list(archive_prefix(store_id)), store_id, retention, today, archived)
     store.delete_many(plan.expired + plan.superseded)
     return plan

@@ -484,11 +484,14 @@ def _item_done(stage: str, seg: dict, outcome: dict, report: StageReport, progre
 
 
 def run_job(inp: JobInput, spark, progress: Progress) -> dict:
+    from tierfs.tier.lease import last_holder
+
     t0 = time.monotonic()
     sc = spark.sparkContext
     result: dict[str, Any] = {"job_id": inp.job_id, "ok": True, "seconds": 0.0, "segments": [], "indexes": [],
                               "archive": [], "archive_deleted": [], "archive_superseded": [], "errors": [],
                               "stages": {}}
+    lease = last_holder(inp.job_dir.parent.parent, inp.store_id)  # the daemon's (jobs are in its state dir)
     for stage in inp.stages:
         params = StageParams(stage, inp.store, inp.store_id, inp.max_hash_slot_num, inp.max_index_num,
                              inp.retention, inp.today.isoformat())
@@ -512,22 +515,28 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
 
         report = run_stage(sc, stage, good, params, progress, on_item)
         if stage == "archive":
-            _sweep(inp, result)
+            _sweep(inp, result, lease)
         result["stages"][stage] = vars(report)
     result["ok"] = not result["errors"]
     result["seconds"] = round(time.monotonic() - t0, 3)
     return result
 
 
-def _sweep(inp: JobInput, result: dict) -> None:
-    """Driver-side part of the archive stage: retention, and files of superseded generations."""
+def _sweep(inp: JobInput, result: dict, lease: dict | None) -> None:
+    """Driver-side part of the archive stage: retention, and files of superseded generations. Its deletes are
+    fenced by the writer lease the daemon held when the job started (`lease`, from the daemon's state dir, which
+    holds the job dir): a mount taken over since must not delete what the new writer's archive holds (the same
+    segment names, other generations). The executors' puts need no fence: a part is named by its segment and
+    generation, and a takeover moves generations past the old writer's."""
     from tierfs.objectstore import open_store
     from tierfs.spark.archive import archive_prefix, part_name, sweep
+    from tierfs.tier.lease import job_fence
 
     archived = {part_name(row["path"]): int(row["generation"]) for row in result["archive"]}
     try:
         store = open_store(inp.store["url"], **inp.store["options"])
         try:
+            store.fence = job_fence(store, inp.store_id, lease)
             done = sweep(store, inp.store_id, inp.retention, inp.today, archived)
         finally:
             store.close()

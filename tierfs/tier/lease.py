@@ -1,47 +1,72 @@
-"""The writer lease: at most one writable mount per store id uploads to the object store (DESIGN §5, §12).
+"""The writer lease: at most one writable mount per store id writes to the object store (DESIGN §5, §12, §13).
 
 Object layout: one small JSON object per lease *epoch*, `<store-id>/meta/lease/<epoch, 12 digits>`; the lease in
-force is the one with the highest epoch. A mount takes the lease by creating epoch N+1 with a conditional PUT
-(`put_if_absent`), so of several mounts racing for the same free lease exactly one wins. A single key replaced
-by delete + conditional PUT cannot do that: two mounts taking over the same expired lease could both delete and
-both create, and the object store interface has no compare-and-swap. With epochs, a takeover is just another
-conditional create, and nothing ever deletes the highest epoch: the new holder deletes only lower epochs, and a
-clean unmount *releases* its epoch (expires_at 0) instead of deleting it, so no mount can ever see an empty
-lease directory while another one holds or is taking the lease.
+force is the one with the highest epoch. Every write of a lease object is a compare-and-swap
+(`ObjectStore.put_if_match`: S3 If-Match / If-None-Match, posix a locked compare and rename), so the store itself
+orders the writers of each epoch object:
 
-Rules:
-* the highest epoch is free when it is released or expired (expires_at < now), or when it names our own holder
-  id (host + hot dir: a restart after a crash on the same hot dir; the daemon lock already keeps a second daemon
-  off a hot dir); otherwise a writable mount is refused with a message naming the holder and the expiry;
-* the holder renews (overwrites its own epoch with a new expires_at) every ttl/3, but only while its lease is
-  still valid by its own monotonic clock; a lease that lapsed is taken again through the conditional create, never
-  renewed, so a late renewal cannot revive a lease someone else took over meanwhile;
-* the holder considers itself valid until (start of the last successful write) + ttl - ttl/10: it stops before
-  anybody else may start, given clocks within ttl/10 of each other (run NTP);
-* uploads, deletes and snapshots run only while `held()`; the broker's writes never wait on the lease.
+* a mount takes the lease by first *claiming* the epoch in force N (rewriting it with `superseded_by` N+1, If-Match
+  the etag it read) and then creating N+1 (If-None-Match: *). Of several mounts racing for the same lease exactly
+  one creates N+1; nothing ever deletes the highest epoch (the new holder deletes only lower ones, a clean unmount
+  *releases* its epoch: expires_at 0);
+* the holder renews by rewriting its epoch object If-Match the etag of its own last write. A claim changed that
+  etag, so a holder that was taken over cannot renew, and a holder that renewed first makes the claim fail (the
+  claimant reads again and finds the lease live): renewal and takeover are decided by the store, not by clocks;
+* fencing (`fence`, installed on the store as `ObjectStore.fence` once the lease is taken): immediately before
+  every object write or delete the store calls it, and it HEADs our epoch object: unchanged since our own last
+  write means nobody claimed the next epoch, so nobody else may be writing. Any takeover claims our epoch
+  before its own, so this check does not depend on any clock. What is left: the time between that HEAD and the
+  arrival of the request it guards (one round trip, or a process paused exactly there), which no S3 interface
+  closes for a write to another key (README, "Continuous tiering and takeover").
+
+Clocks decide liveness only: the highest epoch is free to claim when it is released or expired (expires_at < now),
+already claimed, ours (this process), or left by the previous daemon of this hot dir's state dir (its holder id,
+recorded in STATE_DIR/lease.json; the daemon lock proves that daemon gone); otherwise a writable mount is refused
+with a message naming the holder and the expiry, unless a takeover's --force names it. The holder renews every
+ttl/3 and, by its own monotonic clock, stops writing at (start of its last successful write) + ttl - ttl/10,
+before anybody else may claim the lease, given clocks within ttl/10 of each other.
+
+The holder id is unique to the daemon process: host, pid and a random token, then the hot dir
+("host#pid-token:/hot/dir"). A mount of the same host name and hot dir path elsewhere (a pod rescheduled while
+its old node is partitioned) is another holder: it is refused while the lease lives, and the old daemon, once
+taken over, stays fenced for the rest of its life (it logs FENCED and never takes the lease again).
 
 All methods except `run` block (object store calls): call them from a worker thread inside trio.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import trio
 
 from tierfs.objectstore import ObjectStore
-from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
+from tierfs.objectstore.base import Fenced, ObjectNotFound, ObjectStoreError
 
 log = logging.getLogger("tierfs.lease")
 
 _EPOCH_RE = re.compile(r"^\d{12}$")
+STATE_DIR = ".tierfs"  # the daemon's state dir inside the hot dir (tierfs.fs.operations.STATE_DIR_NAME)
+RECORD = "lease.json"  # in the state dir: the holder id and epoch its daemon took last
+_token = uuid.uuid4().hex[:12]  # this process's: a forked child draws its own
+
+
+def _new_token() -> None:
+    global _token
+    _token = uuid.uuid4().hex[:12]
+
+
+os.register_at_fork(after_in_child=_new_token)
 
 
 def lease_prefix(store_id: str) -> str:
@@ -57,13 +82,14 @@ class LeaseRecord:
     """The content of one lease epoch object."""
 
     epoch: int
-    holder: str  # holder id: host + ":" + hot dir
+    holder: str  # holder id: "host#pid-token:hot dir", unique to one daemon process
     host: str
     hot_dir: str
     pid: int
     mountpoint: str
     acquired_at: float
     expires_at: float  # 0: released at a clean unmount
+    superseded_by: int = 0  # set by the mount taking the next epoch, before it creates that one
 
     def live(self, now: float) -> bool:
         return self.expires_at > now
@@ -78,7 +104,8 @@ class LeaseRecord:
             d = json.loads(data)
             rec = cls(epoch=int(d["epoch"]), holder=str(d["holder"]), host=str(d["host"]),
                       hot_dir=str(d["hot_dir"]), pid=int(d["pid"]), mountpoint=str(d["mountpoint"]),
-                      acquired_at=float(d["acquired_at"]), expires_at=float(d["expires_at"]))
+                      acquired_at=float(d["acquired_at"]), expires_at=float(d["expires_at"]),
+                      superseded_by=int(d.get("superseded_by", 0)))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"lease object {key!r} is not a valid lease ({type(e).__name__}: {e}); if no writable "
                              f"mount of this store id is running anywhere, delete it") from None
@@ -89,6 +116,10 @@ class LeaseRecord:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.expires_at))
         return (f"host {self.host}, hot dir {self.hot_dir}, pid {self.pid}, mountpoint {self.mountpoint}; "
                 f"the lease expires at {when} (in {left:.1f} s) unless renewed")
+
+    def named_by(self, force: str | None) -> bool:
+        """Does a takeover's --force name this holder? Its full id, or "host:hot dir" as an operator knows it."""
+        return force is not None and force in (self.holder, f"{self.host}:{self.hot_dir}")
 
 
 class LeaseHeld(Exception):
@@ -104,24 +135,89 @@ class LeaseHeld(Exception):
             f"read-only with --read-only --from")
 
 
-def holder_id(host: str, hot_dir: Path | str) -> str:
-    return f"{host}:{os.path.abspath(hot_dir)}"
+def holder_id(host: str, hot_dir: Path | str, pid: int | None = None) -> str:
+    """This process's holder id for `hot_dir`: never the same for two daemons, even of one host name and path."""
+    return f"{host}#{pid or os.getpid()}-{_token}:{os.path.abspath(hot_dir)}"
+
+
+def read_current(store: ObjectStore, store_id: str) -> tuple[LeaseRecord, str | None] | None:
+    """The lease in force (highest epoch) and the etag it was read at, or None when no lease was ever taken.
+    The etag is read before the content: a compare-and-swap with it fails if the content changed since. Blocking."""
+    for _ in range(5):
+        epochs = [int(i.key.rsplit("/", 1)[1]) for i in store.list(lease_prefix(store_id))
+                  if _EPOCH_RE.match(i.key.rsplit("/", 1)[1])]
+        if not epochs:
+            return None
+        key = lease_key(store_id, max(epochs))
+        info = store.head(key)
+        try:
+            if info is not None:
+                return LeaseRecord.decode(key, store.get(key)), info.etag
+        except ObjectNotFound:
+            pass
+        # a new holder deleted it as a lower epoch meanwhile: list again
+    raise ObjectStoreError(lease_prefix(store_id), "the lease epochs kept changing while being read")
+
+
+def last_holder(state_dir: Path, store_id: str) -> dict | None:
+    """What the daemon of this state dir recorded when it last took the lease of `store_id` ({"holder", "epoch"}),
+    or None."""
+    try:
+        d = json.loads((Path(state_dir) / RECORD).read_text())
+        if d.get("store_id") == store_id:
+            return {"holder": str(d["holder"]), "epoch": int(d["epoch"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def is_this_hot_dirs(rec: LeaseRecord, store_id: str, hot_dir: Path, state_dir: Path | None = None) -> bool:
+    """Was `rec` taken by a daemon of this hot dir (the last one its state dir recorded, or one of a tierfs
+    that named holders by host and hot dir alone)? For a check made while no daemon runs here, or by that daemon."""
+    last = last_holder(state_dir or Path(hot_dir) / STATE_DIR, store_id)
+    return (last is not None and rec.holder == last["holder"]) or \
+        rec.holder == f"{socket.gethostname()}:{os.path.abspath(hot_dir)}"
+
+
+def job_fence(store: ObjectStore, store_id: str, started: dict | None) -> Callable[[str, Sequence[str]], None]:
+    """A fence (ObjectStore.fence) for a job a writable mount started out of process (tierfs.spark): it refuses
+    every write or delete once the lease in force is no longer `started`, the one the daemon held when the job
+    started (`last_holder` of its state dir, read then; None: the lease in force now). Blocking."""
+    last = started
+    if last is None:
+        got = read_current(store, store_id)
+        last = {"holder": got[0].holder, "epoch": got[0].epoch} if got else {"holder": "", "epoch": 0}
+
+    def fence(op: str, keys: Sequence[str]) -> None:
+        got = read_current(store, store_id)
+        cur = got[0] if got else None
+        if cur is None and not last["epoch"] or cur is not None and not cur.superseded_by \
+                and (cur.epoch, cur.holder) == (last["epoch"], last["holder"]):
+            return
+        now = f"epoch {cur.epoch} of {cur.holder}" if cur is not None else "no lease at all"
+        raise Fenced(keys[0], f"{op} refused: the writer lease of store id {store_id!r} moved since this job "
+                              f"started (epoch {last['epoch']} of {last['holder'] or 'nobody'}, now {now}): the "
+                              f"mount that started it no longer owns the store")
+    return fence
 
 
 class WriterLease:
     def __init__(self, store: ObjectStore, store_id: str, hot_dir: Path, mountpoint: Path, ttl: float,
-                 host: str | None = None, pid: int | None = None):
+                 host: str | None = None, pid: int | None = None, state_dir: Path | None = None):
         self.store = store
         self.store_id = store_id
         self.ttl = float(ttl)
         self.margin = self.ttl / 10
         self.host = host or socket.gethostname()
         self.hot_dir = str(Path(hot_dir).resolve())
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(self.hot_dir) / STATE_DIR
         self.mountpoint = str(mountpoint)
         self.pid = pid or os.getpid()
-        self.id = holder_id(self.host, self.hot_dir)
+        self.id = holder_id(self.host, self.hot_dir, self.pid)
         self.epoch = 0  # the epoch we hold (or held last); 0: never held
+        self._etag: str | None = None  # etag of our epoch object as our own last write left it
         self._valid_until = 0.0  # time.monotonic() until which we may write to the store
+        self.acquired_at = 0.0
         self.expires_at = 0.0
         self.last_error = ""
         self.other: LeaseRecord | None = None  # the other holder that refused us, if any
@@ -132,32 +228,46 @@ class WriterLease:
     # ------------------------------------------------------------------ state
 
     def held(self) -> bool:
-        return time.monotonic() < self._valid_until
+        return not self.fenced and time.monotonic() < self._valid_until
 
     def status(self) -> dict:
         d = {"held": self.held(), "holder": self.id, "epoch": self.epoch, "ttl_s": self.ttl,
-             "expires_at": round(self.expires_at, 3), "last_error": self.last_error}
+             "expires_at": round(self.expires_at, 3), "last_error": self.last_error, "fenced": self.fenced}
         if self.other is not None and not self.held():
             d["held_by"] = f"{self.other.host}:{self.other.hot_dir} (pid {self.other.pid})"
         return d
 
-    def _record(self, epoch: int, now: float, acquired_at: float, expires_at: float) -> LeaseRecord:
+    def _key(self) -> str:
+        return lease_key(self.store_id, self.epoch)
+
+    def _record(self, epoch: int, acquired_at: float, expires_at: float) -> LeaseRecord:
         return LeaseRecord(epoch=epoch, holder=self.id, host=self.host, hot_dir=self.hot_dir, pid=self.pid,
                            mountpoint=self.mountpoint, acquired_at=acquired_at, expires_at=expires_at)
 
     def current(self) -> LeaseRecord | None:
         """The lease in force (highest epoch), or None when no lease was ever taken. Blocking."""
-        for _ in range(5):
-            epochs = [int(i.key.rsplit("/", 1)[1]) for i in self.store.list(lease_prefix(self.store_id))
-                      if _EPOCH_RE.match(i.key.rsplit("/", 1)[1])]
-            if not epochs:
-                return None
-            key = lease_key(self.store_id, max(epochs))
-            try:
-                return LeaseRecord.decode(key, self.store.get(key))
-            except ObjectNotFound:
-                continue  # a new holder deleted it as a lower epoch meanwhile: list again
-        raise ObjectStoreError(lease_prefix(self.store_id), "the lease epochs kept changing while being read")
+        got = read_current(self.store, self.store_id)
+        return got[0] if got else None
+
+    def _how_free(self, cur: LeaseRecord, now: float, force: str | None) -> str:
+        """Why we may claim the epoch in force (for the log), or LeaseHeld when another live holder has it."""
+        if cur.expires_at == 0:
+            return "released"
+        if cur.superseded_by:
+            return "claimed by a mount that did not finish taking it"
+        if not cur.live(now):
+            return "expired"
+        if cur.holder == self.id:
+            return "this daemon's own"
+        last = last_holder(self.state_dir, self.store_id)
+        if last is not None and cur.holder == last["holder"]:
+            return "left by this state dir's previous daemon (a crash)"  # which the daemon lock shows is gone
+        if not cur.named_by(force):
+            self.other = cur
+            raise LeaseHeld(self.store.url, self.store_id, cur, now, force)
+        log.warning("writer lease epoch %d of %s (pid %d, expires in %.1f s) overridden by --force",
+                    cur.epoch, cur.holder, cur.pid, cur.expires_at - now)
+        return "overridden by --force"
 
     # ------------------------------------------------------------------ acquire, renew, release
 
@@ -168,49 +278,64 @@ class WriterLease:
         if self.fenced:  # never again in this daemon's life
             if self.other is not None:
                 raise LeaseHeld(self.store.url, self.store_id, self.other, time.time())
-            raise ObjectStoreError(lease_prefix(self.store_id), f"refused: {self.last_error}; remount to write again")
+            raise Fenced(self._key(), f"refused: {self.last_error}; remount to write again")
         for _ in range(5):
-            cur = self.current()
+            got = read_current(self.store, self.store_id)
+            cur, etag = got if got is not None else (None, None)
             now = time.time()
-            if self.epoch and cur is not None and cur.epoch > self.epoch and cur.holder != self.id:
-                self.fenced = True  # someone else wrote the store after us: what this daemon knows is stale
-                self.other = cur
-                self.last_error = f"fenced: the writer lease was taken over by {cur.holder} (epoch {cur.epoch})"
-                log.error("FENCED: writer lease epoch %d of store id %s was taken over by %s (epoch %d); this "
-                          "mount's object puts, deletes and snapshots are refused", self.epoch, self.store_id,
-                          cur.holder, cur.epoch)
-                raise LeaseHeld(self.store.url, self.store_id, cur, now)
-            if cur is not None and cur.live(now) and cur.holder != self.id:
-                if force is None or force != cur.holder:
-                    self.other = cur
-                    raise LeaseHeld(self.store.url, self.store_id, cur, now, force)
-                log.warning("writer lease epoch %d of %s (pid %d, expires in %.1f s) overridden by --force",
-                            cur.epoch, cur.holder, cur.pid, cur.expires_at - now)
+            if self.epoch and (cur is None or cur.epoch > self.epoch or cur.holder != self.id or cur.superseded_by):
+                self._fence_off(cur)  # someone else wrote the store after us: what this daemon knows is stale
+                if cur is not None and cur.holder != self.id:
+                    raise LeaseHeld(self.store.url, self.store_id, cur, now)
+                raise Fenced(self._key(), f"refused: {self.last_error}")
+            how = self._how_free(cur, now, force) if cur is not None else ""
+            if cur is not None and not cur.superseded_by:  # claim it: its holder's renewals fail from now on
+                claimed = dataclasses.replace(cur, superseded_by=cur.epoch + 1)
+                if self.store.put_if_match(lease_key(self.store_id, cur.epoch), claimed.encode(), etag) is None:
+                    continue  # renewed, released or claimed meanwhile: decide again
             epoch = (cur.epoch if cur is not None else 0) + 1
             started = time.monotonic()
-            rec = self._record(epoch, now, now, now + self.ttl)
-            if self.store.put_if_absent(lease_key(self.store_id, epoch), rec.encode()):
-                ours_lapsed = cur is not None and (cur.holder, cur.epoch, cur.pid) == (self.id, self.epoch, self.pid)
-                self._took(rec, started)
-                if cur is not None:
-                    how = ("released" if cur.expires_at == 0 else
-                           "ours, lapsed while it could not be renewed" if ours_lapsed else
-                           "our hot dir's, left by an earlier daemon that did not release it (a crash)"
-                           if cur.holder == self.id else "expired")
-                    log.info("writer lease epoch %d taken over from epoch %d (%s; holder was %s:%s pid %d)",
-                             epoch, cur.epoch, how, cur.host, cur.hot_dir, cur.pid)
-                else:
-                    log.info("writer lease epoch %d taken", epoch)
-                self._drop_lower(epoch)
-                return
+            rec = self._record(epoch, now, now + self.ttl)
+            new = self.store.put_if_match(lease_key(self.store_id, epoch), rec.encode(), None)
+            if new is None:
+                continue  # another mount created it first
+            self.epoch = epoch
+            self._took(rec, started, new)
+            self._remember()
+            self.store.fence = self.fence
+            if cur is not None:
+                log.info("writer lease epoch %d taken over from epoch %d (%s; holder was %s pid %d)",
+                         epoch, cur.epoch, how, cur.holder, cur.pid)
+            else:
+                log.info("writer lease epoch %d taken", epoch)
+            self._drop_lower(epoch)
+            return
         raise ObjectStoreError(lease_prefix(self.store_id), "lost the race for the writer lease 5 times in a row")
 
-    def _took(self, rec: LeaseRecord, started: float) -> None:
-        self.epoch = rec.epoch
+    def _took(self, rec: LeaseRecord, started: float, etag: str) -> None:
+        self._etag = etag
+        self.acquired_at = rec.acquired_at
         self.expires_at = rec.expires_at
         self._valid_until = started + self.ttl - self.margin
         self.other = None
         self.last_error = ""
+
+    def _remember(self) -> None:
+        """Record our holder id in the state dir: the next daemon here after a crash may take our lease at once."""
+        if not self.state_dir.is_dir():
+            return
+        tmp = self.state_dir / f"{RECORD}.tmp"
+        try:
+            tmp.write_text(json.dumps({"store_id": self.store_id, "holder": self.id, "epoch": self.epoch}) + "\n")
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.state_dir / RECORD)
+        except OSError as e:
+            log.warning("could not record the writer lease holder in %s (%s): a restart after a crash waits for "
+                        "the lease to expire", self.state_dir, e)
 
     def _drop_lower(self, epoch: int) -> None:
         """Delete epochs below ours (best effort; they are dead once ours exists)."""
@@ -221,59 +346,99 @@ class WriterLease:
         except ObjectStoreError as e:
             log.info("could not delete old lease epochs (%s); harmless", e)
 
+    def _ours(self) -> str | None:
+        """The etag of our epoch object if the store says it is still ours (our holder and epoch, not claimed),
+        else None. Usually one HEAD; when the etag is not the one we know (a renewal of ours in flight in another
+        thread, or one whose answer was lost) the content decides, which only a claim or a delete changes."""
+        key = self._key()
+        info = self.store.head(key)
+        if info is None:
+            return None
+        if info.etag == self._etag:
+            return info.etag
+        try:
+            rec = LeaseRecord.decode(key, self.store.get(key))
+        except ObjectNotFound:
+            return None
+        return info.etag if (rec.holder, rec.epoch, rec.superseded_by) == (self.id, self.epoch, 0) else None
+
+    def _fence_off(self, cur: LeaseRecord | None) -> None:
+        """We were taken over: stop for good, and say so once."""
+        self._valid_until = 0.0
+        if cur is not None and cur.holder != self.id:
+            self.other = cur
+        if self.fenced:
+            return
+        self.fenced = True
+        who = f"epoch {cur.epoch} of {cur.holder} (pid {cur.pid})" if cur is not None else "nobody (deleted)"
+        self.last_error = f"fenced: the writer lease was taken over, it is now {who}"
+        log.error("FENCED: writer lease epoch %d of store id %s was taken over (now %s); this mount's object "
+                  "puts, deletes and snapshots are refused, and it never takes the lease again: remount it",
+                  self.epoch, self.store_id, who)
+
+    def _lost(self) -> None:
+        """Our epoch object is no longer ours: fence off, naming who has the lease now."""
+        try:
+            cur = self.current()
+        except (ObjectStoreError, ValueError):
+            cur = None
+        self._fence_off(cur)
+
     def renew(self) -> None:
-        """Extend a valid lease; re-take a lapsed one (LeaseHeld if someone else has it now). Blocking."""
-        if not self.held():
+        """Extend our lease by rewriting our epoch object If-Match our last write, valid or lapsed (a lapsed lease
+        nobody claimed is still ours: any claim changes that etag). LeaseHeld (or Fenced) once someone else took
+        it: this daemon never holds it again. Blocking."""
+        if self.fenced or not self.epoch:
             self.acquire()
             return
-        cur = self.current()
-        if cur is None or cur.epoch != self.epoch or cur.holder != self.id:
-            self._valid_until = 0.0
-            if cur is not None:
-                self.other = cur
-                if cur.epoch > self.epoch:
-                    self.fenced = True
-                    self.last_error = f"fenced: the writer lease is held by epoch {cur.epoch} by {cur.holder}"
-                    log.error("FENCED: writer lease epoch %d of store id %s was taken over by %s (epoch %d); this "
-                              "mount's object puts, deletes and snapshots are refused", self.epoch, self.store_id,
-                              cur.holder, cur.epoch)
-                raise LeaseHeld(self.store.url, self.store_id, cur, time.time())
-            raise ObjectStoreError(lease_key(self.store_id, self.epoch), "our lease object disappeared")
+        lapsed = not self.held()
         started = time.monotonic()
         now = time.time()
-        rec = self._record(self.epoch, now, cur.acquired_at, now + self.ttl)
-        self.store.put(lease_key(self.store_id, self.epoch), rec.encode())
-        self._took(rec, started)
+        rec = self._record(self.epoch, self.acquired_at, now + self.ttl)
+        new = self.store.put_if_match(self._key(), rec.encode(), self._etag)
+        if new is None:
+            ours = self._ours()  # an answer lost after the write: our own earlier renewal holds the key
+            new = self.store.put_if_match(self._key(), rec.encode(), ours) if ours is not None else None
+        if new is None:
+            self._lost()
+            if self.other is not None:
+                raise LeaseHeld(self.store.url, self.store_id, self.other, time.time())
+            raise Fenced(self._key(), f"refused: {self.last_error}")
+        self._took(rec, started, new)
+        if lapsed:
+            log.info("writer lease epoch %d renewed: it lapsed while it could not be renewed, and nobody claimed it "
+                     "meanwhile", self.epoch)
 
-    def verify(self) -> None:
-        """Fencing on the store's word, not only our clock: before a batch of object writes or deletes, check
-        that the epoch in force is still ours. A writer that was paused or cut off while another mount took the
-        lease over (--force, or after the ttl) stops here, says so, and raises. Blocking."""
+    def verify(self, key: str | None = None, op: str = "write") -> None:
+        """Fencing on the store's word: raise Fenced (naming `key`, the object about to be written or deleted)
+        unless our lease is valid by our clock and our epoch object is still ours in the store (nobody claimed the
+        next epoch). Blocking: one HEAD."""
         if not self.held():
-            raise ObjectStoreError(lease_key(self.store_id, self.epoch),
-                                   f"refused: the writer lease (epoch {self.epoch}) is not held (fenced)")
-        cur = self.current()
-        if cur is not None and cur.epoch == self.epoch and cur.holder == self.id:
-            return
-        self._valid_until = 0.0
-        self.other = cur
-        self.fenced = True
-        who = f"epoch {cur.epoch} by {cur.holder} (pid {cur.pid})" if cur is not None else "nobody (deleted)"
-        self.last_error = f"fenced: the writer lease is held by {who}"
-        log.error("FENCED: writer lease epoch %d of store id %s was taken over (now %s); this mount's object "
-                  "puts, deletes and snapshots are refused", self.epoch, self.store_id, who)
-        raise ObjectStoreError(lease_key(self.store_id, self.epoch), f"refused: {self.last_error}")
+            why = self.last_error if self.fenced else "the writer lease is not held (not renewed in time)"
+            raise Fenced(key or self._key(), f"{op} refused: {why} (epoch {self.epoch})")
+        if self._ours() is None:
+            self._lost()
+            raise Fenced(key or self._key(), f"{op} refused: {self.last_error}")
+
+    def fence(self, op: str, keys: Sequence[str]) -> None:
+        """ObjectStore.fence: every object write or delete but our own lease objects' waits for `verify`."""
+        prefix = lease_prefix(self.store_id)
+        if not all(k.startswith(prefix) for k in keys):
+            self.verify(keys[0], op)
 
     def release(self) -> None:
         """At a clean unmount: mark our epoch released so the next writer need not wait for the ttl. Blocking."""
-        if not self.epoch:
+        if not self.epoch or self.fenced:
             return
         self._valid_until = 0.0
-        cur = self.current()
-        if cur is None or cur.epoch != self.epoch or cur.holder != self.id:
+        rec = self._record(self.epoch, self.acquired_at, 0.0)
+        ours = self._etag
+        new = self.store.put_if_match(self._key(), rec.encode(), ours)
+        if new is None and (ours := self._ours()) is not None:
+            new = self.store.put_if_match(self._key(), rec.encode(), ours)
+        if new is None:
             return  # someone else holds it now: nothing of ours to release
-        rec = self._record(self.epoch, time.time(), cur.acquired_at, 0.0)
-        self.store.put(lease_key(self.store_id, self.epoch), rec.encode())
+        self._etag = new
         self.expires_at = 0.0
         log.info("writer lease epoch %d released", self.epoch)
 
@@ -295,14 +460,16 @@ class WriterLease:
                     lost_logged_at = 0.0
                 next_at = time.monotonic() + period
                 continue
-            except LeaseHeld as e:
+            except (LeaseHeld, Fenced) as e:  # taken over: said once, by _fence_off and the line below
                 self.last_error = str(e)
             except (ObjectStoreError, ValueError, OSError) as e:
                 self.last_error = f"lease renewal failed: {e}"
                 log.warning("%s", self.last_error)
             if not self.held() and time.monotonic() - lost_logged_at >= self.ttl:
                 lost_logged_at = time.monotonic()
+                until = "for good (this mount was taken over: remount it)" if self.fenced else \
+                    "until it is held again"
                 log.error("WRITER LEASE NOT HELD for store id %s: uploads, object deletes and catalog snapshots "
-                          "are stopped until it is held again (the broker's writes carry on locally). %s",
-                          self.store_id, self.last_error)
+                          "are stopped %s (the broker's writes carry on locally). %s", self.store_id, until,
+                          self.last_error)
             next_at = time.monotonic() + retry
