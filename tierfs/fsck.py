@@ -636,7 +636,7 @@ class Checker:
             self.store.abort_multipart(f.key, f.upload_id)
             f.repaired = f"aborted multipart upload {f.upload_id} of {f.key}"
         elif f.kind == "row_without_hot_file":
-            cat.remove(e.path, e.all_objects(), time.time(), artifacts=("cidx",))
+            cat.remove(e, e.all_objects(), time.time(), artifacts=("cidx",))
             f.repaired = (f"dropped the catalog row of {e.path}; its {len(e.objects)} objects are queued for "
                           f"deletion at the next mount")
         elif f.kind in ("false_resident", "bad_resident_block"):

@@ -30,7 +30,6 @@ from tierfs.fs.hotdir import PINNED_DIR, HotDir, pin_path
 from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
-from tierfs.store.paths import classify
 from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.fs")
@@ -118,7 +117,6 @@ class TierOperations(pyfuse3.Operations):
         # the engine's TIERED index by st_ino, read-only here: one dict lookup per read and write decides whether
         # the engine must see it, and a method call per request would cost every local read
         self._tiered: Mapping[int, Any] = MappingProxyType(engine.tiered if engine is not None else {})
-        self._seg_fh: dict[int, str] = {}  # fh -> path, for files in segment dirs (seal events)
         self._flusher_fh: set[int] = set()  # opened by our own flusher: its fsync needs no fsync of the hot file
         # writable handles of files a writer may fill page by page: where the next small READ of a sequential
         # writer is due, and when the last one came (tierfs.tier.primer; -1 until its first one)
@@ -442,7 +440,8 @@ class TierOperations(pyfuse3.Operations):
         if st.st_nlink <= 1:
             self.inodes.pinned(ino, pin_path(st.st_ino))
         if self.engine is not None:
-            await self.engine.on_unlink(rel, ino, self.inodes.any_fd(ino) if st.st_nlink <= 1 else None)
+            await self.engine.namespace.unlinked(rel, ino, st.st_nlink, self.inodes.any_fd(ino),
+                                                 self.inodes.path(ino))
         await self._free_blocks_if_unreachable(ino)
 
     @_handler("rmdir")
@@ -485,12 +484,13 @@ class TierOperations(pyfuse3.Operations):
             self.inodes.renamed(old, new, is_dir)
         if pin:
             self.inodes.pinned(self.inodes.ino_of(replaced), pin_path(replaced.st_ino))  # type: ignore[union-attr]
-        if self.engine is not None and not is_dir:
-            if not flags & 2 and replaced is not None:
+        if self.engine is not None:
+            gone = None
+            if not flags & 2 and replaced is not None and replaced.st_ino != old_st.st_ino \
+                    and not stat.S_ISDIR(replaced.st_mode):
                 ino = self.inodes.ino_of(replaced)
-                held = self.inodes.any_fd(ino) if replaced.st_nlink <= 1 else None
-                await self.engine.on_unlink(new, ino, held)
-            await self.engine.on_rename(old, new)
+                gone = (ino, replaced.st_nlink, self.inodes.any_fd(ino), self.inodes.path(ino))
+            await self.engine.namespace.renamed(old, new, flags, is_dir, gone)
         if pin:
             await self._free_blocks_if_unreachable(self.inodes.ino_of(replaced))  # type: ignore[arg-type]
 
@@ -547,8 +547,6 @@ class TierOperations(pyfuse3.Operations):
         self.inodes.opened(inode, fd)
         if self._primer is not None and flags & os.O_ACCMODE != os.O_RDONLY:
             self._prime_next[fd] = (-1, 0.0)
-        if rel is not None and classify(rel).is_segment:
-            self._seg_fh[fd] = rel
         return pyfuse3.FileInfo(fh=fd, keep_cache=True)
 
     @_handler("open")
@@ -653,15 +651,14 @@ class TierOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         if fh >= _CONTROL_FH_BASE:
             raise pyfuse3.FUSEError(errno.EROFS)
-        rel = self._seg_fh.get(fh)
-        if rel is not None and self.engine is not None:
+        if self.engine is not None:  # by the file's inode, whatever name it was opened by (or none now)
             ino = self._fh_inode[fh]
             t = self._tiered.get(ino)
             if t is not None and not await self.engine.before_write(t, ino, off, buf):
                 return len(buf)  # identical rewrite of tiered bytes: nothing changes
             self.engine.note_write(ino)
-        if self.engine is not None and self.engine.appendlog is not None:  # continuous tiering: what is new
-            self.engine.appendlog.note_write(self._fh_inode[fh], rel, off, len(buf))
+            if self.engine.appendlog is not None:  # continuous tiering: what is new
+                self.engine.appendlog.note_write(ino, self.inodes.path(ino), off, len(buf))
         if not self.enable_writeback_cache:
             n = os.pwrite(fh, buf, off)
         else:
@@ -688,9 +685,9 @@ class TierOperations(pyfuse3.Operations):
         # our flusher's FSYNC comes after the kernel wrote back every dirty page, which is all it wants
         if fh not in self._flusher_fh:
             await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
-        rel = self._seg_fh.get(fh)
-        if rel is not None and self.engine is not None:
-            self.engine.note_fsync(self._fh_inode[fh], rel)
+        if self.engine is not None:
+            ino = self._fh_inode[fh]
+            self.engine.note_fsync(ino, self.inodes.path(ino))
 
     @_handler("release")
     async def release(self, fh: int) -> None:
@@ -698,7 +695,6 @@ class TierOperations(pyfuse3.Operations):
             self._control_fh.pop(fh, None)
             return
         inode = self._fh_inode.pop(fh, None)
-        self._seg_fh.pop(fh, None)
         self._flusher_fh.discard(fh)
         self._prime_next.pop(fh, None)
         if self.engine is not None:

@@ -1,6 +1,9 @@
 """The catalog: one SQLite row per segment that has entered the tiering lifecycle (DESIGN §5).
 
-A segment with no row is plain HOT. Rows are written in one transaction per state change with
+A row is keyed by its file id (never reused; it survives rename, hard links and directory renames, and travels
+with the hot file: tierfs.tier.identity). The path is a derived attribute, for display, classification and object
+key naming: only inserts and the namespace changes (`apply_namespace`) write it, so a row committed from a copy
+made before a rename never puts the old name back. A segment with no row is plain HOT. Rows are written in one transaction per state change with
 synchronous=FULL, so after a crash the catalog says exactly what was durable: a TIERED row means the objects
 were verified, and the local bytes may only be dropped after that commit. The resident bitmap follows one rule:
 a block is marked non-resident *durably before* its bytes are punched out of the hot file, and marked resident
@@ -104,9 +107,10 @@ class Entry:
         return n
 
 
-_SCHEMA = """
+_FILES_TABLE = """
 CREATE TABLE IF NOT EXISTS files (
-    path TEXT PRIMARY KEY,
+    file_id INTEGER PRIMARY KEY,
+    path TEXT NOT NULL,
     kind TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
@@ -121,12 +125,13 @@ CREATE TABLE IF NOT EXISTS files (
     resident BLOB NOT NULL,
     last_access REAL NOT NULL,
     state_since REAL NOT NULL,
-    file_id INTEGER NOT NULL DEFAULT 0,
     ino INTEGER NOT NULL DEFAULT 0,
     unit_bytes INTEGER NOT NULL DEFAULT 0,
     unit_crcs BLOB NOT NULL DEFAULT x'',
     unit_ref TEXT NOT NULL DEFAULT ''
-);
+)"""
+_FILES_INDEX = "CREATE INDEX IF NOT EXISTS files_path ON files (path)"
+_SCHEMA = _FILES_TABLE + """;
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
     not_before REAL NOT NULL
@@ -166,6 +171,10 @@ class Artifact:
 _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "chunk_bytes", "block_bytes",
          "crc32c", "block_crcs", "objects", "resident", "last_access", "state_since", "file_id", "ino",
          "unit_bytes", "unit_crcs", "unit_ref")
+# Insert a row, or update every column of an existing one but its path: a row's path has one writer (inserts and
+# apply_namespace), so a copy made before a rename and committed after it never puts the old name back.
+_UPSERT = (f"INSERT INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))}) ON CONFLICT(file_id) DO "
+           f"UPDATE SET {', '.join(f'{c}=excluded.{c}' for c in _COLS if c not in ('path', 'file_id'))}")
 _KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generation in a segment/sidecar key
 # Deletes queued for an unlinked file that a process still holds open: due only once it is closed.
 NEVER = 1e18
@@ -180,12 +189,16 @@ class Catalog:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        self._db.execute(_FILES_INDEX)
 
     def _migrate(self) -> None:
-        """Bring a catalog of an earlier version up to this one, in one transaction: rows get file ids, and the
-        id/generation sequence starts above every generation any row, queued delete or artifact names, so no
-        new object key can equal an old one (keys carry the generation)."""
-        have = {r[1] for r in self._db.execute("PRAGMA table_info(files)")}
+        """Bring a catalog of an earlier version up to this one, in one transaction: rows get file ids (a
+        duplicate id, which a version keyed by path could hold, gets a new one), the table is keyed by file id,
+        and the id/generation sequence starts above every generation any row, queued delete or artifact names,
+        so no new object key can equal an old one (keys carry the generation)."""
+        info = list(self._db.execute("PRAGMA table_info(files)"))
+        have = {r[1] for r in info}
+        keyed_by_path = not any(r[1] == "file_id" and r[5] for r in info)  # an earlier version's table
         with self._transaction() as db:
             for col in ("file_id", "ino", "unit_bytes"):
                 if col not in have:
@@ -204,9 +217,23 @@ class Catalog:
                     if m:
                         top = max(top, int(m.group(1)))
             nxt = max(int(r[0]) if r else 1, top + 1)
-            unnumbered = [p for (p,) in db.execute("SELECT path FROM files WHERE file_id=0")]
-            db.executemany("UPDATE files SET file_id=? WHERE path=?", [(nxt + i, p) for i, p in enumerate(unnumbered)])
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt + len(unnumbered)),))
+            if keyed_by_path:
+                seen: set[int] = set()
+                renumber: list[str] = []
+                for p, fid in db.execute("SELECT path, file_id FROM files ORDER BY file_id, path"):
+                    if not fid or fid in seen:
+                        renumber.append(p)
+                    seen.add(fid)
+                db.executemany("UPDATE files SET file_id=? WHERE path=?",
+                               [(nxt + i, p) for i, p in enumerate(renumber)])
+                nxt += len(renumber)
+                cols = ",".join(_COLS)
+                db.execute("ALTER TABLE files RENAME TO files_by_path")
+                db.execute(_FILES_TABLE)
+                db.execute(f"INSERT INTO files ({cols}) SELECT {cols} FROM files_by_path")
+                db.execute("DROP TABLE files_by_path")
+                db.execute(_FILES_INDEX)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt),))
 
     def allocate(self, n: int = 1) -> int:
         """The first of n new numbers from the store's one sequence (file ids and generations alike): durable
@@ -215,6 +242,15 @@ class Catalog:
             first = int(db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()[0])
             db.execute("UPDATE meta SET v=? WHERE k='next_id'", (str(first + n),))
         return first
+
+    def get_meta(self, k: str) -> str | None:
+        with self._lock:
+            r = self._db.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
+        return r[0] if r else None
+
+    def set_meta(self, k: str, v: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
 
     def close(self) -> None:
         with self._lock:
@@ -245,11 +281,8 @@ class Catalog:
                 e.last_access, e.state_since, e.file_id, e.ino, e.unit_bytes, e.unit_crcs, e.unit_ref)
 
     def put(self, e: Entry) -> None:
-        """Insert or replace a row, durably (one transaction)."""
-        e.state_since = e.state_since or time.time()
-        with self._lock:
-            self._db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
-                             self._row(e))
+        """Insert or update a row, durably (one transaction)."""
+        self.put_many([e], [], 0.0)
 
     def save_residency(self, entries: list[Entry]) -> None:
         """Persist resident bitmaps and access times of several entries in one transaction."""
@@ -286,19 +319,40 @@ class Catalog:
     def _queue_locked(self, keys: list[str], not_before: float) -> None:
         self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
 
-    def remove(self, path: str, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
-        """Drop a row (and its artifacts of these kinds) and queue their objects for deletion, atomically."""
+    def remove(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
+        """Drop `e`'s row (and its artifacts of these kinds) and queue their objects for deletion, atomically."""
         with self._transaction() as db:
-            db.execute("DELETE FROM files WHERE path=?", (path,))
-            self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(path, artifacts), not_before)
+            self._remove_locked(db, e.file_id, e.path, delete_keys, not_before, artifacts)
+
+    def _remove_locked(self, db: sqlite3.Connection, file_id: int, path: str, delete_keys: list[str],
+                       not_before: float, artifacts: tuple[str, ...]) -> None:
+        db.execute("DELETE FROM files WHERE file_id=?", (file_id,))
+        self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(path, artifacts), not_before)
 
     def replace(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
         """Rewrite a row (e.g. TIERED -> HOT at a new generation) and queue the objects it no longer uses and
         its artifacts of these kinds for deletion: one transaction, so a crash leaks nothing."""
         with self._transaction() as db:
-            db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
-                       self._row(e))
+            db.execute(_UPSERT, self._row(e))
             self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(e.path, artifacts), not_before)
+
+    def apply_namespace(self, moves: list[tuple[int, str]], removes: list[tuple[int, str, list[str], float]],
+                        renamed: list[tuple[str, str]]) -> None:
+        """One namespace change (tierfs.tier.namespace) in one transaction: rows that go, with their objects
+        queued (file id, path, keys, not before) and their sidecars too; rows that get a new path (file id,
+        path); and pipeline artifacts that follow a rename (old, new: a file's path, or a directory's, which
+        moves everything below it; every pair is applied at once, so an exchange swaps them)."""
+        with self._transaction() as db:
+            for file_id, path, keys, not_before in removes:
+                self._remove_locked(db, file_id, path, keys, not_before, ("cidx",))
+            db.executemany("UPDATE files SET path=? WHERE file_id=?", [(p, fid) for fid, p in moves])
+            move = "UPDATE artifacts SET path=? || substr(path, ?) WHERE path=? OR substr(path, 1, ?)=?"
+            for i, (old, _) in enumerate(renamed):  # every source aside first: an exchange's targets are sources
+                db.execute(move, (f"\0rename{i}", len(old) + 1, old, len(old) + 1, old + "/"))
+            for i, (_, new) in enumerate(renamed):
+                tmp = f"\0rename{i}"  # no real path holds a NUL
+                db.execute("DELETE FROM artifacts WHERE path=? OR substr(path, 1, ?)=?", (new, len(new) + 1, new + "/"))
+                db.execute(move, (new, len(tmp) + 1, tmp, len(tmp) + 1, tmp + "/"))
 
     def _drop_artifacts_locked(self, path: str, kinds: tuple[str, ...]) -> list[str]:
         if not kinds:
@@ -321,26 +375,40 @@ class Catalog:
             return self._db.execute("UPDATE pending_deletes SET not_before=? WHERE not_before>=?",
                                     (not_before, NEVER)).rowcount
 
-    def rename(self, old: str, new: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM files WHERE path=?", (new,))
-            self._db.execute("UPDATE files SET path=? WHERE path=?", (new, old))
-            self._db.execute("DELETE FROM artifacts WHERE path=?", (new,))
-            self._db.execute("UPDATE artifacts SET path=? WHERE path=?", (new, old))
-
-    def swap(self, e: Entry, delete_keys: list[str], not_before: float) -> None:
-        """Replace a row (e.g. raw -> lz4c objects) and queue the replaced objects for deletion, atomically."""
-        self.put_many([e], delete_keys, not_before)
+    def swap(self, e: Entry, delete_keys: list[str], not_before: float) -> bool:
+        """Give a TIERED raw row its compacted objects (raw -> lz4c) and queue the raw ones for deletion,
+        atomically, only if the row is still that generation, TIERED and raw: a write that made the file HOT again
+        (committed while the swap waited for this thread) must not be overwritten by the old content's objects.
+        Otherwise the compacted objects, which nothing names, are queued instead; False."""
+        with self._transaction() as db:
+            cur = db.execute("SELECT generation, state, format, objects FROM files WHERE file_id=?",
+                             (e.file_id,)).fetchone()
+            if cur is None or tuple(cur[:3]) != (e.generation, State.TIERED.value, "raw"):
+                named = set(json.loads(cur[3])) if cur is not None else set()
+                self._queue_locked([k for k in e.objects if k not in named], not_before)
+                return False
+            db.execute(_UPSERT, self._row(e))
+            self._queue_locked(delete_keys, not_before)
+            return True
 
     def put_many(self, entries: list[Entry], delete_keys: list[str], not_before: float,
-                 artifacts: list[Artifact] = ()) -> None:
-        """Rows, artifacts and deferred deletes in one transaction: a crash leaves all or none of them."""
+                 artifacts: list[Artifact] = (), drop_ids: tuple[int, ...] = ()) -> None:
+        """Rows (inserted, or updated but for their path), artifacts, rows dropped by file id (a following
+        mount's file replaced by a newer one) and deferred deletes in one transaction: all or none of them."""
         now = time.time()
         with self._transaction() as db:
+            db.executemany("DELETE FROM files WHERE file_id=?", [(i,) for i in drop_ids])
+            fresh = [e for e in entries if not e.file_id]  # rows from a snapshot's blobs: numbered here
+            if fresh:  # above every id in use and in this batch (a snapshot's rows keep their writer's ids)
+                first = max(int(db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()[0]),
+                            db.execute("SELECT coalesce(max(file_id), 0) FROM files").fetchone()[0] + 1,
+                            max(e.file_id for e in entries) + 1)
+                db.execute("UPDATE meta SET v=? WHERE k='next_id'", (str(first + len(fresh)),))
+                for i, e in enumerate(fresh):
+                    e.file_id = first + i
             for e in entries:
                 e.state_since = e.state_since or now
-                db.execute(f"INSERT OR REPLACE INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))})",
-                           self._row(e))
+                db.execute(_UPSERT, self._row(e))
             db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
                            [(a.path, a.kind, a.generation, json.dumps(a.keys), json.dumps(a.info), a.created or now)
                             for a in artifacts])

@@ -351,7 +351,8 @@ class Compactor:
         swapped = e.copy(format="lz4c", objects=[row["key"]], chunk_bytes=e.nblocks * e.block_bytes,
                           resident=bytearray(len(e.resident)), unit_bytes=0, unit_crcs=b"",
                          unit_ref="")  # lz4 blocks: no units (the table object goes with the raw chunks)
-        await eng.db(eng.catalog.swap, swapped, old_keys, time.time() + grace)
+        if not await eng.db(eng.catalog.swap, swapped, old_keys, time.time() + grace):
+            return "skipped"  # written (HOT again) while the swap waited: its compacted object goes
         eng.cache.footers[row["key"]] = footer
         if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
             e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes

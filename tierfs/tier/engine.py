@@ -4,8 +4,10 @@ The hot dir stays the single local home of every file: a tiered segment keeps it
 and eviction punches holes in it, so `open` always has a real fd and mmap, stat and unlink behave as before.
 
 State: `files` holds every catalog entry by its file id (from the catalog's one sequence: never reused, survives
-rename); `entries` (by path), `tiered` (TIERED entries by hot-dir st_ino, the FUSE fast path) and `orphans`
-(unlinked while open) are indexes into it. Every state change is one catalog transaction on a detached copy of
+rename, stamped on the hot inode: tierfs.tier.identity); `by_ino` (by hot-dir st_ino: what the FUSE front knows a
+file by, whatever name it was opened by), `entries` (by current name: a derived index the namespace keeps),
+`tiered` (TIERED entries by st_ino, the FUSE fast path) and `orphans` (unlinked while open) are indexes into it.
+Every name change goes through tierfs.tier.namespace. Every state change is one catalog transaction on a detached copy of
 the row (`Entry.copy`), applied to the live entry (`become`) only after the commit, and re-checked after every
 await: a file may have been written, renamed or unlinked meanwhile.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +36,6 @@ from typing import Callable
 
 import trio
 
-from tierfs import failpoints
 from tierfs.config import Config
 from tierfs.objectstore import ObjectStore, open_store
 from tierfs.objectstore.base import ObjectStoreError
@@ -41,13 +43,15 @@ from tierfs.tier import snapshot
 from tierfs.tier import storeconfig
 from tierfs.tier.appendlog import AppendLog
 from tierfs.tier.blockcache import BlockCache
-from tierfs.tier.catalog import NEVER, Catalog, Entry, State
+from tierfs.tier.catalog import Catalog, Entry, State
 from tierfs.tier.compaction import Compactor
 from tierfs.tier.evictor import Evictor
 from tierfs.tier.flusher import Flusher
 from tierfs.tier.follow import Follower
 from tierfs.tier.janitor import run_janitor
+from tierfs.tier import identity
 from tierfs.tier.lease import WriterLease
+from tierfs.tier.namespace import Namespace
 from tierfs.tier.primer import Primer
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
@@ -94,7 +98,8 @@ class Engine:
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
             storeconfig.save(state_dir, self.store_url(), self.store_options(), self.store_id)  # for `tierfs fsck`
         self.files: dict[int, Entry] = {}  # every entry, by file id: the one owner
-        self.entries: dict[str, Entry] = {}  # entries that have a name, by path
+        self.by_ino: dict[int, Entry] = {}  # live entries by hot-dir st_ino (named, or held open after unlink)
+        self.entries: dict[str, Entry] = {}  # entries that have a name, by their current path (derived)
         self.tiered = TieredIndex()  # TIERED entries by hot-dir st_ino: the FUSE fast path
         self.orphans: dict[int, Entry] = {}  # unlinked while open: served through open fds until the last close
         self._fds: dict[int, int] = {}  # engine-owned O_RDWR fds of tiered hot files, by file id
@@ -117,6 +122,7 @@ class Engine:
         self.store_down_since: float | None = None
         self._nursery: trio.Nursery | None = None
         self.sealer = Sealer(self)
+        self.namespace = Namespace(self)
         self.uploader = Uploader(self)
         self.cache = BlockCache(self)
         self.evictor = Evictor(self)
@@ -184,39 +190,62 @@ class Engine:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     def reconcile(self) -> None:
-        """On mount: load the catalog, match each row against its hot file, resume what was in flight. A row whose
-        file changed behind the daemon's back (other inode, other size, or a sealed file written since) no longer
-        describes it: the row goes, the file is HOT again and the sealer looks at it afresh."""
+        """On mount: load the catalog and find each row's hot file *by identity* (its inode and the file id
+        stamped on it; tierfs.tier.identity), wherever it is now: a rename the catalog did not see (a crash
+        between the hot-dir rename and its commit, a directory renamed while unmounted) moves the row's path, it
+        never loses the file. A row whose file is gone, or changed behind the daemon's back (other size, or a
+        sealed file written since), no longer describes it: the row goes, and a file that is still there is HOT
+        again for the sealer to look at afresh. Then resume what was in flight."""
         now = time.time()
         grace = float(self.config["delete.grace_seconds"])
         if not self.read_only:
             held = self.catalog.release_held_deletes(now + grace)
             if held:
                 log.info("%d object deletes held for files open at the last unmount fall due in %.0f s", held, grace)
-        unnumbered: list[Entry] = []  # a read-only cache's rows come from snapshot files: ids are assigned here
-        for e in self.catalog.load_all():
-            try:
-                st = os.lstat(self.hot / e.path)
-            except FileNotFoundError:
-                if self.read_only:  # the objects belong to the writer; never queue their deletion from here
-                    log.error("read-only cache: %s is missing from the local tree; not served", e.path)
-                    continue
-                log.warning("catalog row %s has no hot file (deleted while unmounted); deleting its objects", e.path)
-                self.catalog.remove(e.path, e.all_objects(), now + grace, artifacts=("cidx",))
+        trusted = self.catalog.get_meta("identity") == "stamped"
+        rows = self.catalog.load_all()
+        found: dict[int, tuple[str, os.stat_result, int | None]] = {}  # file id -> (path, lstat, stamp)
+        lost: list[Entry] = []
+        for e in rows:
+            hit = self._identify(e, e.path, trusted)
+            if hit is not None:
+                found[e.file_id] = hit
+            else:
+                lost.append(e)
+        if lost:  # renamed behind the catalog's back: one walk of the hot dir, by inode number
+            inos = {e.ino for e in lost if e.ino}
+            paths = self.paths_of(inos) if inos else {}
+            still: list[Entry] = []
+            for e in lost:
+                hit = next((h for p in paths.get(e.ino, ()) if (h := self._identify(e, p, trusted)) is not None),
+                           None)
+                if hit is None:
+                    still.append(e)
+                else:
+                    log.warning("%s was renamed to %s while the catalog did not know: the row follows the file",
+                                e.path, hit[0])
+                    found[e.file_id] = hit
+            lost = still
+        moves: list[tuple[int, str]] = []
+        unstamped: list[tuple[str, int, int]] = []
+        for e in rows:
+            if e.file_id not in found:
                 continue
+            path, st, stamp = found[e.file_id]
+            if path != e.path:
+                moves.append((e.file_id, path))
+                e.path = path
             changed = self._changed_while_unmounted(e, st)
             if changed and not self.read_only:
                 log.warning("%s changed behind the daemon's back (%s): its catalog row (%s, gen %d) is dropped "
                             "and the file is sealed again from its local bytes", e.path, changed, e.state.value,
                             e.generation)
-                self.catalog.remove(e.path, e.all_objects(), now + grace, artifacts=("cidx",))
+                self.catalog.remove(e, e.all_objects(), now + grace, artifacts=("cidx",))
                 continue
+            if stamp != e.file_id and not self.read_only:
+                unstamped.append((str(self.hot / e.path), st.st_ino, e.file_id))
             e.ino = st.st_ino
-            self.entries[e.path] = e
-            if not e.file_id or e.file_id in self.files:
-                unnumbered.append(e)
-            else:
-                self.files[e.file_id] = e
+            self.add(e)
             if e.state in (State.SEALED, State.UPLOADING):
                 self.uploader.enqueue(e)
             elif e.state is State.TIERED:
@@ -224,21 +253,75 @@ class Engine:
                     e.resident = bytearray((e.nblocks + 7) // 8)
                 self.tiered[st.st_ino] = e
                 self.cache_bytes += e.resident_bytes()
-        if unnumbered:  # one allocation and one transaction, not a synchronous commit per row
-            first = self.catalog.allocate(len(unnumbered))
-            for i, e in enumerate(unnumbered):
-                e.file_id = first + i
-                self.files[e.file_id] = e
-            self.catalog.put_many(unnumbered, [], 0.0)
-        log.info("catalog: %d rows, %d tiered, %d to upload, %d deletes pending", len(self.entries),
-                 len(self.tiered), len(self.uploader.queue), self.catalog.pending_delete_count())
+        for e in lost:
+            if self.read_only:  # the objects belong to the writer; never queue their deletion from here
+                log.error("read-only cache: %s is missing from the local tree; not served", e.path)
+                continue
+            if os.path.lexists(self.hot / e.path):
+                log.warning("%s changed behind the daemon's back (another file has its name, file id %d's is "
+                            "gone): its catalog row is dropped, its objects deleted, and the file there is sealed "
+                            "from its own bytes", e.path, e.file_id)
+            else:
+                log.warning("catalog row %s (file id %d) has no hot file (deleted while unmounted); deleting its "
+                            "objects", e.path, e.file_id)
+            self.catalog.remove(e, e.all_objects(), now + grace, artifacts=("cidx",))
+        if unstamped:  # rows of an earlier version or a takeover: stamped before they count
+            for path, file_id in identity.stamp_all(unstamped):
+                log.warning("could not stamp the identity of %s (file id %d)", path, file_id)
+        if (moves or not trusted) and not self.read_only:  # paths found anew; once, the mark: every file stamped
+            self.catalog.apply_namespace(moves, [], [])
+            self.catalog.set_meta("identity", "stamped")
+        log.info("catalog: %d rows, %d tiered, %d to upload, %d deletes pending%s", len(self.files),
+                 len(self.tiered), len(self.uploader.queue), self.catalog.pending_delete_count(),
+                 f", {len(moves)} found under new names" if moves else "")
+
+    def _identify(self, e: Entry, path: str, trusted: bool) -> tuple[str, os.stat_result, int | None] | None:
+        """Blocking: is the hot file at `path` the file of row `e`? (path, lstat, its stamp) if so. A row with
+        no inode yet (a takeover's or a read-only cache's, built from a snapshot) is bound by its path once."""
+        try:
+            st = os.lstat(self.hot / path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if self.read_only:  # a read-only cache's tree is the daemon's own, built from the snapshot's paths
+            return path, st, None
+        stamp = identity.read(str(self.hot / path))
+        if not trusted:  # a catalog from before stamps (or one a takeover built): stamps here are not its own
+            return (path, st, stamp) if (st.st_ino == e.ino if e.ino else True) else None
+        if not e.ino and stamp is None:
+            return path, st, stamp
+        return (path, st, stamp) if identity.matches(st.st_ino, stamp, e.ino, e.file_id, trusted) else None
+
+    def paths_of(self, inos: set[int]) -> dict[int, list[str]]:
+        """Blocking: every path of the hot dir (but the state dir) whose inode number is in `inos` (scandir
+        gives it without a stat)."""
+        out: dict[int, list[str]] = {}
+        stack = [""]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(self.hot / d if d else self.hot)
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            with it:
+                for de in it:
+                    rel = f"{d}/{de.name}" if d else de.name
+                    if not d and self.hot / de.name == self.state_dir:
+                        continue
+                    try:
+                        if de.is_dir(follow_symlinks=False):
+                            stack.append(rel)
+                        elif de.inode() in inos:
+                            out.setdefault(de.inode(), []).append(rel)
+                    except OSError:
+                        continue
+        return out
 
     @staticmethod
     def _changed_while_unmounted(e: Entry, st: os.stat_result) -> str:
-        """Why a row no longer matches its hot file, or ''. A TIERED file's local bytes are holes and pinned
-        pages, so only its identity and size can be checked; a SEALED one must still be exactly what sealed."""
-        if e.ino and st.st_ino != e.ino:
-            return f"inode {st.st_ino}, was {e.ino}"
+        """Why a row no longer matches its (identified) hot file, or ''. A TIERED file's local bytes are holes and
+        pinned pages, so only its size can be checked; a SEALED one must still be exactly what sealed."""
         if e.state is State.HOT:
             return ""
         if st.st_size != e.size:
@@ -246,6 +329,13 @@ class Engine:
         if e.state is not State.TIERED and st.st_mtime_ns != e.mtime_ns:
             return "written since it was sealed"
         return ""
+
+    def add(self, e: Entry) -> None:
+        """Index a live entry (committed already) by its id, its hot inode and its current name."""
+        self.files[e.file_id] = e
+        if e.ino:
+            self.by_ino[e.ino] = e
+        self.entries[e.path] = e
 
     def is_live(self, e: Entry) -> bool:
         """Is `e` still the engine's entry for its file (not unlinked and closed, not replaced)?"""
@@ -340,9 +430,11 @@ class Engine:
         if self.appendlog is not None:
             self.appendlog.inode_freed(ino)
 
-    def note_fsync(self, ino: int, rel: str) -> None:
+    def note_fsync(self, ino: int, rel: str | None) -> None:
+        """An fsync of the file (`rel`: a name it has now, None once it has none)."""
         self.last_fsync[ino] = time.monotonic()
-        self.sealer.fsynced(rel, ino)
+        if rel is not None:
+            self.sealer.fsynced(rel, ino)
 
     async def truncate_barrier(self, ino: int) -> None:
         """Called before any truncate: wait while a seal probe reads the file (no SIGBUS in the daemon)."""
@@ -363,30 +455,7 @@ class Engine:
     def release_stream(self, fh: int) -> None:
         self.cache.release_stream(fh)
 
-    async def on_unlink(self, rel: str, ino: int, held_fd: int | None) -> None:
-        """The name is gone (unlink, or replaced by a rename). A tiered file still open through `held_fd` keeps
-        its entry and its objects until the last close; the row goes now, in one transaction with the deletes."""
-        self.sealer.unlinked(rel, ino)
-        e = self.entries.get(rel)
-        if e is None or (e.ino and e.ino != ino):
-            return
-        grace = float(self.config["delete.grace_seconds"])
-        keep = e.state is State.TIERED and held_fd is not None and self.tiered.get(ino) is e
-        if keep:
-            self._hold(e, held_fd)
-        await self.db(self.catalog.remove, rel, e.all_objects(), NEVER if keep else time.time() + grace, ("cidx",))
-        failpoints.hit("tier.unlinked")
-        if self.entries.get(rel) is e:
-            del self.entries[rel]
-        if keep:
-            self.orphans[ino] = e
-            log.info("%s deleted while open: served through its open fds; %d objects go %.0f s after the last "
-                     "close", rel, len(e.objects), grace)
-            return
-        self.drop(e)
-        log.info("%s deleted: %d objects deleted after %.0f s", rel, len(e.objects), grace)
-
-    def _hold(self, e: Entry, held_fd: int) -> None:
+    def hold(self, e: Entry, held_fd: int) -> None:
         """Fetches and evictions of `e` go to its own inode, which has no name any more."""
         if e.file_id not in self._fds:
             self._fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
@@ -394,7 +463,7 @@ class Engine:
     def keep_orphan(self, e: Entry, held_fd: int) -> None:
         """A following mount removed `e`'s name or gave it to a newer file while `e` is open: served through its
         open fds until the last close (its row is already gone or replaced)."""
-        self._hold(e, held_fd)
+        self.hold(e, held_fd)
         self.orphans[e.ino] = e
 
     async def on_released(self, ino: int) -> None:
@@ -409,21 +478,14 @@ class Engine:
         await self.db(self.catalog.schedule_deletes, e.all_objects(), time.time() + grace)
         log.info("%s: last holder closed; %d objects deleted after %.0f s", e.path, len(e.objects), grace)
 
-    async def on_rename(self, old: str, new: str) -> None:
-        """Memory first, then the row: the one catalog thread runs transactions in order (trio's limiter is
-        FIFO) and every row written after this reads the new path, so the catalog ends as memory says."""
-        e = self.entries.pop(old, None)
-        if e is not None:
-            e.path = new
-            self.entries[new] = e
-        self.sealer.renamed(old, new, e)
-        if e is not None:
-            await self.db(self.catalog.rename, old, new)
-
     def drop(self, e: Entry) -> None:
-        """Forget a file that is gone for good (its row is already gone)."""
+        """Forget a file that is gone for good (its row is already gone): every index that still points at it."""
         if self.files.get(e.file_id) is e:
             del self.files[e.file_id]
+        if self.by_ino.get(e.ino) is e:
+            del self.by_ino[e.ino]
+        if self.entries.get(e.path) is e:
+            del self.entries[e.path]
         if self.tiered.get(e.ino) is e:
             del self.tiered[e.ino]
             self.cache_bytes -= e.resident_bytes()

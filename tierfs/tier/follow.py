@@ -191,8 +191,9 @@ class Follower:
         tmp, _ = await trio.to_thread.run_sync(self._stage, t.path, t.size)
         try:
             await trio.to_thread.run_sync(appendlog.materialise, eng.store, eng.hot, t, tmp, limiter=eng.limiter)
-            if t.path in eng.entries:  # was served from objects: its row goes first, memory at the swap
-                await eng.db(eng.catalog.remove, t.path, [], 0.0)  # a reader never deletes objects: none queued
+            cur = eng.entries.get(t.path)
+            if cur is not None:  # was served from objects: its row goes first, memory at the swap
+                await eng.db(eng.catalog.remove, cur, [], 0.0)  # a reader never deletes objects: none queued
             await self._swap(t.path, tmp, None)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -213,8 +214,10 @@ class Follower:
             first = await eng.db(eng.catalog.allocate, 1)
             row = dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
                                       state_since=time.time(), file_id=first, ino=ino)
-            await eng.db(eng.catalog.put_many, [row], [], 0.0)  # replaces the path's old row, if any
+            # replaces the path's old row, if any, in the same transaction
+            await eng.db(eng.catalog.put_many, [row], [], 0.0, (), (cur.file_id,) if cur is not None else ())
             eng.files[row.file_id] = row
+            eng.by_ino[row.ino] = row
             eng.tiered[row.ino] = row  # the staged inode: nobody reaches it before the swap
             await self._swap(e.path, tmp, row)
         except BaseException:
@@ -239,7 +242,7 @@ class Follower:
                 eng.drop(new)
             raise
         if new is not None:
-            eng.entries[rel] = new
+            eng.add(new)
         elif eng.entries.get(rel) is old:
             eng.entries.pop(rel, None)
         self._name_gone(rel, old, old_st)
@@ -250,7 +253,7 @@ class Follower:
         eng = self.eng
         old = eng.entries.get(rel)
         if old is not None:
-            await eng.db(eng.catalog.remove, rel, [], 0.0)  # a reader never deletes objects: no keys queued
+            await eng.db(eng.catalog.remove, old, [], 0.0)  # a reader never deletes objects: no keys queued
         assert self.remove_name is not None
         old_st = await trio.to_thread.run_sync(self.remove_name, rel)
         if eng.entries.get(rel) is old:

@@ -20,6 +20,7 @@ import trio
 from tierfs import failpoints
 from tierfs.store.paths import Kind, classify
 from tierfs.store.seal import SealParams, is_sealed
+from tierfs.tier import identity
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.storeroots import segment_dirs
 
@@ -68,11 +69,25 @@ class Sealer:
         self._candidates.pop(rel, None)
         self._flushed.pop(ino, None)
 
-    def renamed(self, old: str, new: str, e: Entry | None) -> None:
+    def renamed(self, old: str, new: str, tree: bool) -> None:
+        """Names changed (the engine's index already has the new ones). `tree`: a directory moved or two names
+        were exchanged; what was known by a name below either side is looked at afresh under its new name."""
         self._ns_changes += 1
+        if tree:
+            sides = (old, new)
+            under = [p for p in list(self._candidates) + list(self._unsealed)
+                     if any(p == s or p.startswith(s + "/") for s in sides)]
+            for p in under:
+                self._unsealed.pop(p, None)
+                self._candidates.pop(p, None)
+            for p, e in list(self.eng.entries.items()):
+                if e.state is State.HOT and any(p == s or p.startswith(s + "/") for s in sides):
+                    self._candidates[p] = e.ino
+            return
         self._unsealed.pop(old, None)
         self._unsealed.pop(new, None)
         ino = self._candidates.pop(old, None)
+        e = self.eng.entries.get(new)
         if e is None:
             if ino is not None:
                 self._candidates[new] = ino
@@ -107,7 +122,7 @@ class Sealer:
         content was found incomplete is a candidate again only once its size, mtime, ctime or write count moved."""
         found: list[tuple[str, int]] = []
         usage: dict[str, tuple[str, int, int, str]] = {}
-        entries, unsealed, write_seq = self.eng.entries, self._unsealed, self.eng.write_seq
+        by_ino, unsealed, write_seq = self.eng.by_ino, self._unsealed, self.eng.write_seq
         hot = str(self.eng.hot)
         stack = segment_dirs(hot, self.eng.config["store.roots"])  # every store root below the mount's too
         while stack:
@@ -123,9 +138,9 @@ class Sealer:
                         if de.is_dir(follow_symlinks=False):
                             stack.append(rel)
                             continue
-                        e = entries.get(rel)
-                        if e is not None and e.state is not State.HOT and e.ino == de.inode():
-                            continue
+                        e = by_ino.get(de.inode())
+                        if e is not None and (e.state is not State.HOT or e.path != rel):
+                            continue  # past HOT, or another name of a file the catalog has by its own
                         if not de.is_file(follow_symlinks=False):
                             continue
                         kind = classify(rel)
@@ -165,6 +180,10 @@ class Sealer:
             what = verdict[0]
             if what == "wait":
                 continue
+            if what == "bind":  # a candidate parked without its inode: probed next time with the one it has
+                if self._candidates.get(rel) == cands[rel]:
+                    self._candidates[rel] = verdict[1]
+                continue
             if what == "flush":
                 flush.append((rel, verdict[1], verdict[2]))
                 continue
@@ -189,11 +208,11 @@ class Sealer:
                     log.debug("%s not sealed: %s", rel, why)
                 continue
             self._refused.pop(rel, None)
-            e = eng.entries.get(rel)
+            e = eng.by_ino.get(st.st_ino)  # by identity: the name probed may be another link of a known file
             if eng.write_seq.get(st.st_ino, 0) != seq:
                 self._candidates[rel] = st.st_ino
                 continue
-            if (e is not None and (e.state is not State.HOT or e.ino != st.st_ino)) or rel in self.untierable:
+            if (e is not None and (e.state is not State.HOT or e.path != rel)) or rel in self.untierable:
                 continue
             if self._ns_changes != ns0:  # unlinks or renames since the probe: seal only what is still there
                 try:
@@ -235,7 +254,8 @@ class Sealer:
 
     async def _commit_sealed(self, sealed: list[tuple[Entry, Entry | None, int, str]]) -> None:
         """One transaction for the batch, then memory. New files take a file id (and first generation) from the
-        catalog sequence first, so no two files ever share an object key."""
+        catalog sequence first, so no two files ever share an object key, and carry it on their hot inode
+        (tierfs.tier.identity) durably before the commit that names them."""
         eng = self.eng
         fresh = [s[0] for s in sealed if not s[0].file_id]
         try:
@@ -243,6 +263,15 @@ class Sealer:
                 first = await eng.db(eng.catalog.allocate, len(fresh))
                 for i, entry in enumerate(fresh):
                     entry.file_id = entry.generation = first + i
+                failed = await trio.to_thread.run_sync(
+                    identity.stamp_all, [(str(eng.hot / e.path), e.ino, e.file_id) for e in fresh])
+                if failed:  # gone or replaced since the probe: not sealed; the scan looks at the name again
+                    ids = {fid for _, fid in failed}
+                    for entry in [s[0] for s in sealed if s[0].file_id in ids]:
+                        self._candidates[entry.path] = 0
+                    sealed = [s for s in sealed if s[0].file_id not in ids]
+                    if not sealed:
+                        return
             await eng.db(eng.catalog.put_many, [s[0] for s in sealed], [], 0.0)
         except (ValueError, UnicodeError) as err:
             if len(sealed) > 1:  # find the one row SQLite refuses; the others seal
@@ -260,12 +289,11 @@ class Sealer:
         stale: list[Entry] = []
         for entry, prev, seq, why in sealed:
             # re-checked after the commit's await: unlinked, renamed, replaced or written meanwhile?
-            if (eng.entries.get(entry.path) is not prev or eng.write_seq.get(entry.ino, 0) != seq
-                    or not self._same_inode(entry)):
+            if (eng.by_ino.get(entry.ino) is not prev or eng.write_seq.get(entry.ino, 0) != seq
+                    or (prev is not None and prev.path != entry.path) or not self._same_inode(entry)):
                 stale.append(entry)
                 continue
-            eng.files[entry.file_id] = entry
-            eng.entries[entry.path] = entry
+            eng.add(entry)
             self._unsealed.pop(entry.path, None)
             eng.uploader.enqueue(entry, seq)
             log.log(logging.INFO if len(sealed) == 1 else logging.DEBUG, "sealed %s (%s, %d bytes, gen %d)",
@@ -288,10 +316,11 @@ class Sealer:
         yet), and the path is looked at afresh by the sealer."""
         eng = self.eng
         for e in stale:
-            cur = eng.entries.get(e.path)
+            cur = eng.files.get(e.file_id)
             if cur is not None and cur is not e:
-                continue  # the path's row is someone else's now (a rename over it committed after ours)
-            await eng.db(eng.catalog.remove, e.path, [], 0.0)
+                await eng.db(eng.catalog.put, cur.copy())  # back to the row of the file's live (HOT) entry
+            else:
+                await eng.db(eng.catalog.remove, e, [], 0.0)
             self._candidates[e.path] = 0
             log.info("%s changed while its seal was committed; it stays hot", e.path)
 
@@ -319,11 +348,13 @@ class Sealer:
         eng = self.eng
         if rel in self.untierable:
             return ("drop",)
-        e = eng.entries.get(rel)
-        if e is not None and e.state is not State.HOT:
-            return ("drop",)
         rel.encode()  # a name SQLite cannot store (not UTF-8) fails here, on its own, not in a batch commit
         st = os.lstat(eng.hot / rel)
+        if not ino:
+            return ("bind", st.st_ino)
+        e = eng.by_ino.get(ino)
+        if e is not None and (e.state is not State.HOT or e.path != rel):
+            return ("drop",)
         if st.st_ino != ino:
             return ("wait",)  # not the inode the truncate barrier protects: look again with the right one
         lw = eng.last_write.get(ino)

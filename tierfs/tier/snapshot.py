@@ -858,8 +858,10 @@ def prepare_readonly(store: ObjectStore, store_id: str, hot: Path, state: Path) 
     cat = Catalog(state / "catalog.db")
     try:
         now = time.time()
+        # a reader's own ids (file_id 0: numbered by the catalog): the snapshot's are untrusted input, and a
+        # snapshot of an earlier version may repeat one
         cat.put_many([dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
-                                          state_since=now) for e, *_ in files], [], 0.0)
+                                          state_since=now, file_id=0) for e, *_ in files], [], 0.0)
     finally:
         cat.close()
     body = {"store": store.url, "store_id": store_id, "seq": ptr.seq, "time": ptr.time,

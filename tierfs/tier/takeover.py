@@ -98,9 +98,16 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tail
         Path(f"{path}{suffix}").unlink(missing_ok=True)
     now = time.time()
     cat = Catalog(path)
+    seen: set[int] = set()  # a snapshot of an earlier version may repeat an id: such a row is numbered anew
+
+    def own_id(e: Entry) -> int:
+        fid = e.file_id if e.file_id not in seen else 0
+        seen.add(e.file_id)
+        return fid
+
     try:
         cat.put_many([dataclasses.replace(e, resident=bytearray((e.nblocks + 7) // 8), last_access=0.0,
-                                          state_since=now, ino=0) for e in tiered], [], 0.0)
+                                          state_since=now, ino=0, file_id=own_id(e)) for e in tiered], [], 0.0)
         cat.save_tails(tails)
     finally:
         cat.close()

@@ -36,25 +36,26 @@ _UPLOAD_BATCH = 64  # small segments (one block or less) uploaded together and c
 
 
 class UploadQueue:
-    """Sealed segments waiting for upload, oldest (mtime, path) first. A heap: taking the next one costs
-    O(log n), where a min() over the whole backlog per upload made tiering 100,000 small files quadratic."""
+    """Sealed segments waiting for upload, by file id (a rename while queued changes nothing), oldest (mtime, id)
+    first. A heap: taking the next one costs O(log n), where a min() over the whole backlog per upload made
+    tiering 100,000 small files quadratic."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, str]] = []
-        self._queued: set[str] = set()
+        self._heap: list[tuple[int, int]] = []
+        self._queued: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._queued)
 
-    def __contains__(self, rel: str) -> bool:
-        return rel in self._queued
+    def __contains__(self, file_id: int) -> bool:
+        return file_id in self._queued
 
-    def push(self, rel: str, mtime_ns: int) -> None:
-        if rel not in self._queued:
-            self._queued.add(rel)
-            heapq.heappush(self._heap, (mtime_ns, rel))
+    def push(self, file_id: int, mtime_ns: int) -> None:
+        if file_id not in self._queued:
+            self._queued.add(file_id)
+            heapq.heappush(self._heap, (mtime_ns, file_id))
 
-    def pop(self) -> tuple[int, str] | None:
+    def pop(self) -> tuple[int, int] | None:
         if not self._heap:
             return None
         item = heapq.heappop(self._heap)
@@ -68,7 +69,7 @@ class Uploader:
         config = engine.config
         self.queue = UploadQueue()
         self._wakeup = trio.Event()
-        self._uploading: set[str] = set()  # paths
+        self._uploading: dict[int, str] = {}  # file id -> the path its object keys are named by
         self._sealed_at_seq: dict[int, int] = {}  # file id -> write_seq when sealed: a later write voids it
         self.started_at = time.time()  # multipart uploads initiated before this are a crashed daemon's
         self._sweep_done = trio.Event()  # uploaders start after the first stale-upload sweep
@@ -81,7 +82,7 @@ class Uploader:
         """Queue a SEALED (or UPLOADING, after a restart) segment; `seq` is its write count when it sealed."""
         if seq is not None:
             self._sealed_at_seq[e.file_id] = seq
-        self.queue.push(e.path, e.mtime_ns)
+        self.queue.push(e.file_id, e.mtime_ns)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -107,32 +108,34 @@ class Uploader:
             if not eng.store_writable():
                 await trio.sleep(1.0)  # never two writers uploading: wait for the lease
                 continue
-            rels = self._next_uploads()
-            if not rels:
+            batch = self._next_uploads()
+            if not batch:
                 self._wakeup = trio.Event()
                 with trio.move_on_after(1.0):
                     await self._wakeup.wait()
                 continue
-            self._uploading.update(rels)
+            self._uploading.update((e.file_id, e.path) for e in batch)
             try:
                 try:
-                    failed = await self._upload(rels)
+                    failed = await self._upload(batch)
                 except (ObjectStoreError, OSError, sqlite3.Error) as err:  # the batch's commit failed
-                    failed = [(rel, err) for rel in rels]
+                    failed = [(e, err) for e in batch]
                 retry = False
-                for rel, err in failed:
+                for e, err in failed:
                     if isinstance(err, BandwidthLimiterClosed):
                         return  # shutting down; the catalog says SEALED, so the next mount resumes it
-                    eng.stats.upload_failures += 1
-                    eng.stats.last_error = f"upload {rel}: {err}"
-                    if isinstance(err, ValueError):  # the store refuses this segment's object key: never tiered
-                        log.error("%s cannot be tiered (%s); it stays local", rel, err)
-                        await self._keep_local(rel)
+                    if not eng.is_live(e):
+                        log.info("%s was deleted during its upload", e.path)  # a broker's retention: no error
                         continue
-                    log.warning("upload of %s failed (%s); retrying in %.1f s", rel, err, backoff)
-                    e = eng.entries.get(rel)
-                    if e is not None and e.state is not State.HOT:
-                        self.queue.push(rel, e.mtime_ns)
+                    eng.stats.upload_failures += 1
+                    eng.stats.last_error = f"upload {e.path}: {err}"
+                    if isinstance(err, ValueError):  # the store refuses this segment's object key: never tiered
+                        log.error("%s cannot be tiered (%s); it stays local", e.path, err)
+                        await self._keep_local(e)
+                        continue
+                    log.warning("upload of %s failed (%s); retrying in %.1f s", e.path, err, backoff)
+                    if e.state is not State.HOT:
+                        self.queue.push(e.file_id, e.mtime_ns)
                     retry = True
                 if retry:
                     await trio.sleep(backoff * (0.5 + random.random()))
@@ -140,54 +143,52 @@ class Uploader:
                 else:
                     backoff = 1.0
             finally:
-                self._uploading.difference_update(rels)
+                for e in batch:
+                    self._uploading.pop(e.file_id, None)
 
-    async def _keep_local(self, rel: str) -> None:
+    async def _keep_local(self, e: Entry) -> None:
         eng = self.eng
-        eng.sealer.untierable.add(rel)
-        e = eng.entries.get(rel)
-        if e is not None:
-            try:
-                await eng.db(eng.catalog.remove, rel, [], time.time())
-            except sqlite3.Error as err:
-                log.warning("could not drop the catalog row of %s (%s)", rel, err)
-                return
-            if eng.entries.get(rel) is e:
-                del eng.entries[rel]
-                eng.drop(e)
+        eng.sealer.untierable.add(e.path)
+        try:
+            await eng.db(eng.catalog.remove, e, [], time.time())
+        except sqlite3.Error as err:
+            log.warning("could not drop the catalog row of %s (%s)", e.path, err)
+            return
+        if eng.is_live(e):
+            eng.drop(e)
 
-    def _next_uploads(self) -> list[str]:
+    def _next_uploads(self) -> list[Entry]:
         """Oldest first (lowest mtime): the next segment waiting for upload and, while the oldest ones are small
         (one block or less, where per-object requests and commits cost more than the bytes), up to
         _UPLOAD_BATCH of them, uploaded together and committed in one transaction."""
-        out: list[str] = []
-        busy: list[tuple[int, str]] = []  # a failed upload backing off is still in _uploading: it stays queued
+        out: list[Entry] = []
+        busy: list[tuple[int, int]] = []  # a failed upload backing off is still in _uploading: it stays queued
         while len(out) < _UPLOAD_BATCH:
             item = self.queue.pop()
             if item is None:
                 break
-            mtime_ns, rel = item
-            e = self.eng.entries.get(rel)
+            mtime_ns, fid = item
+            e = self.eng.files.get(fid)
             if e is None or e.state not in (State.SEALED, State.UPLOADING):
                 continue
-            if rel in self._uploading:
+            if fid in self._uploading:
                 busy.append(item)
                 continue
             if e.mtime_ns != mtime_ns:  # sealed again since it was queued: its place follows its new mtime
-                self.queue.push(rel, e.mtime_ns)
+                self.queue.push(fid, e.mtime_ns)
                 continue
             small = e.size <= self.eng.block
             if out and not small:
-                self.queue.push(rel, mtime_ns)  # a big one goes alone, next
+                self.queue.push(fid, mtime_ns)  # a big one goes alone, next
                 break
-            out.append(rel)
+            out.append(e)
             if not small:
                 break
-        for mtime_ns, rel in busy:
-            self.queue.push(rel, mtime_ns)
+        for mtime_ns, fid in busy:
+            self.queue.push(fid, mtime_ns)
         return out
 
-    async def _upload(self, rels: list[str]) -> list[tuple[str, Exception]]:
+    async def _upload(self, entries: list[Entry]) -> list[tuple[Entry, Exception]]:
         """Upload one segment, or a batch of small ones with their requests overlapping, then commit every one
         still unchanged as TIERED in one transaction: durable before any local byte may be dropped. Returns the
         segments whose upload failed, with the error; raises if the commit fails (nothing is tiered then).
@@ -197,13 +198,12 @@ class Uploader:
         eng = self.eng
         t0 = time.monotonic()
         batch: list[tuple[Entry, int, int]] = []  # entry, ino, write seq when sealed
-        for rel in rels:
-            e = eng.entries[rel]
+        for e in entries:
             batch.append((e, e.ino, self._sealed_at_seq.get(e.file_id, eng.write_seq.get(e.ino, 0))))
             if e.state is State.SEALED:
                 e.state = State.UPLOADING
         results: list[tuple[int, list[int], list[str]] | ShortRead | None] = [None] * len(batch)
-        failed: list[tuple[str, Exception]] = []
+        failed: list[tuple[Entry, Exception]] = []
 
         async def put(i: int, e: Entry) -> None:
             # the append objects continuous tiering holds for it (taken here, on the loop: a consistent list)
@@ -216,7 +216,7 @@ class Uploader:
             except ShortRead as err:
                 results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
             except (ObjectStoreError, OSError, ValueError) as err:
-                failed.append((e.path, err))
+                failed.append((e, err))
 
         async with trio.open_nursery() as nursery:
             for i, (e, _, _) in enumerate(batch):
@@ -231,12 +231,11 @@ class Uploader:
                 continue
             shrank = isinstance(res, ShortRead)
             crc, block_crcs, keys, table = (0, [], res.keys, (0, b"", "")) if isinstance(res, ShortRead) else res
-            if (shrank or eng.write_seq.get(ino, 0) != seq or eng.entries.get(e.path) is not e
-                    or e.state is not State.UPLOADING):
+            if shrank or eng.write_seq.get(ino, 0) != seq or not eng.is_live(e) or e.state is not State.UPLOADING:
                 log.info("%s changed during upload%s; discarding gen %d objects", e.path,
                          f" ({res})" if shrank else "", e.generation)
                 void_keys += keys + ([units.ref_key(table[2])] if table[2] else [])  # its table object too
-                if eng.entries.get(e.path) is e and eng.is_live(e):
+                if eng.is_live(e):
                     voided.append(e)
                 continue
             done.append(((e, ino, seq), (crc, block_crcs, keys, table, now)))
@@ -253,9 +252,11 @@ class Uploader:
             if eng.is_live(e):
                 eng.become(e, row)
         late: list[Entry] = []
+        gone: list[Entry] = []
         for ((e, ino, seq), _), row in zip(done, rows):
-            if eng.entries.get(e.path) is not e or not eng.is_live(e):
-                continue  # unlinked while the commit ran: its row and objects are gone already
+            if not eng.is_live(e):
+                gone.append(row)  # unlinked while the commit ran: its row and the objects it names go
+                continue
             eng.become(e, row)
             if eng.write_seq.get(ino, 0) != seq:
                 late.append(e)  # written while the commit ran: the objects hold the old content
@@ -272,6 +273,10 @@ class Uploader:
         if len(batch) > 1 and done:
             log.info("tiered %d small segments (%d bytes), %s .. %s, in %.2f s", len(done),
                      sum(d[0][0].size for d in done), done[0][0][0].path, done[-1][0][0].path, time.monotonic() - t0)
+        if gone:  # whichever of the unlink's and our commit ran first, the row ends gone and its objects queued
+            for row in gone:
+                await eng.db(eng.catalog.remove, row, row.all_objects(),
+                             time.time() + float(eng.config["delete.grace_seconds"]), ("cidx",))
         if late:
             await self._void_late(late)
         return failed
@@ -382,7 +387,7 @@ class Uploader:
                     await trio.sleep(1.0)  # only the lease holder may abort uploads: they may be the writer's
                     continue
                 try:
-                    busy = tuple(f"{eng.store_id}/seg/{p}/" for p in self._uploading)
+                    busy = tuple(f"{eng.store_id}/seg/{p}/" for p in self._uploading.values())
                     aborted, spared = await eng.io(self._abort_stale_uploads, busy)
                 except ObjectStoreError as err:
                     log.warning("listing stale multipart uploads under %s/ failed (%s); retrying in %.0f s",
