@@ -221,3 +221,33 @@ def test_a_store_of_the_previous_version_upgrades_with_nothing_lost_or_reuploade
     assert renamed in rows and f"{TOPIC}/1/00000000000000000000" in rows
     for rel, fid in rows.items():
         assert int(os.getxattr(new.hot / rel, "user.tierfs.fid")) == fid, rel
+
+
+def test_engine_fds_stay_bounded_with_many_tiered_files(mount_store):
+    """Finding 11: the engine kept one fd per tiered file until it was deleted (a broker has tens of thousands of
+    ConsumeQueue files; the fd limit is 20,000 here). 1,300 tiered, evicted files all read back cold: the daemon
+    holds at most ENGINE_FDS of them (plus its own few), and every byte is right."""
+    from mountutil import fd_targets
+    from tierfs.tier import engine
+
+    ENGINE_FDS = getattr(engine, "ENGINE_FDS", 1024)  # (b66567a had no bound: it fails with 1,300)
+
+    m = mount_store(options=[OPTS.replace("seal.scan_interval_seconds=0.1", "seal.scan_interval_seconds=0.5")])
+    n = ENGINE_FDS + 276
+    want = {f"{TOPIC}/{q}/{i * 600 * 20:020d}": units(600, q * 1000 + i) for q in range(4) for i in range(n // 4)}
+    for rel, data in want.items():
+        write_segment(m, rel, data)
+
+    def all_evicted() -> bool:
+        files = files_by_path(m)
+        return all(files.get(r, {}).get("state") == "tiered" and files[r]["resident_bytes"] < files[r]["size"]
+                   for r in want)
+    wait_for(all_evicted, timeout=300, interval=1, what=f"{n} segments tiered and evicted")
+    for rel, data in want.items():
+        assert_reads(m, rel, data)
+    hot = str(m.hot)
+
+    def held() -> int:  # the engine's, and the FUSE handles of readers whose RELEASE is still on its way
+        return sum(t.startswith(hot + "/consumequeue") for t in fd_targets(m.pid))
+    wait_for(lambda: held() <= ENGINE_FDS, timeout=30, what=f"at most {ENGINE_FDS} fds of tiered files "
+                                                             f"(the daemon holds {held()})")

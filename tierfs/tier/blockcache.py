@@ -1104,8 +1104,11 @@ class BlockCache:
         await self._installs_done(e.file_id)
         if eng.tiered.get(ino) is not e:
             return  # another writer re-materialised it meanwhile
-        fd = eng.fd(e)
-        await trio.to_thread.run_sync(os.fdatasync, fd)
+        fd = os.dup(eng.fd(e))  # the engine's own may be closed by its LRU while the thread syncs
+        try:
+            await trio.to_thread.run_sync(os.fdatasync, fd)
+        finally:
+            os.close(fd)
         failpoints.hit("tier.rewrite")
         await failpoints.pause("tier.rematerialise_synced")  # tests: the evictor runs while this waits
         grace = float(eng.config["delete.grace_seconds"])
@@ -1131,6 +1134,11 @@ class BlockCache:
         for k in old_keys:
             self.footers.pop(k, None)
         eng.stats.rewrites += 1
+
+    def forget(self, e: Entry) -> None:
+        """`e` is gone for good: what the cache keeps by its object keys goes with it."""
+        for k in e.objects:
+            self.footers.pop(k, None)
 
     async def _make_resident(self, e: Entry, off: int, end: int, deadline: float) -> bool:
         """Fetch until [off, end) is resident; evictions can race a fetch, so retry a few times. True once

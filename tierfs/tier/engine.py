@@ -25,6 +25,7 @@ Every background loop runs under `supervise`: a failure is logged, counted and r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -59,6 +60,8 @@ from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
 from tierfs.tier.uploader import Uploader
 
 log = logging.getLogger("tierfs.tier")
+
+ENGINE_FDS = 1024  # open fds of tiered hot files the engine keeps (least recently used closed first)
 
 
 class Engine:
@@ -102,7 +105,11 @@ class Engine:
         self.entries: dict[str, Entry] = {}  # entries that have a name, by their current path (derived)
         self.tiered = TieredIndex()  # TIERED entries by hot-dir st_ino: the FUSE fast path
         self.orphans: dict[int, Entry] = {}  # unlinked while open: served through open fds until the last close
-        self._fds: dict[int, int] = {}  # engine-owned O_RDWR fds of tiered hot files, by file id
+        # engine-owned O_RDWR fds of tiered hot files, by file id: named files in a bounded LRU (a store has
+        # tens of thousands of tiered files, the fd limit is far lower), reopened by path when needed again;
+        # held files (unlinked while open) apart, since nothing could reopen them
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._held_fds: dict[int, int] = {}
         self.mountpoint: Path | None = None  # the sealer flushes quiet segments through the mount (mount.py sets it)
         self.flusher_pids: set[int] = set()  # our own flusher process (tierfs.tier.flusher) while it runs
         self.workers = WorkerStats()
@@ -113,6 +120,7 @@ class Engine:
         self.last_write: dict[int, float] = {}
         self.last_fsync: dict[int, float] = {}
         self.write_seq: dict[int, int] = {}
+        self._writes = 0
         self.cache_bytes = 0  # resident bytes of tiered segments (the evictor's budget)
         self.limiter = trio.CapacityLimiter(int(config["objectstore.max_concurrency"]))
         self.db_limiter = trio.CapacityLimiter(1)
@@ -409,9 +417,10 @@ class Engine:
                     await trio.to_thread.run_sync(self.lease.release, abandon_on_cancel=True)
                 except ObjectStoreError as err:
                     log.warning("could not release the writer lease (%s); it expires by itself", err)
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._held_fds.values()]:
             os.close(fd)
         self._fds.clear()
+        self._held_fds.clear()
         self.catalog.close()
 
     # ------------------------------------------------------------------ events from the FUSE front
@@ -419,14 +428,18 @@ class Engine:
     def note_write(self, ino: int) -> None:
         """A write or truncate of the file: it voids a seal or an upload in flight (write_seq moves)."""
         self.last_write[ino] = time.monotonic()
-        self.write_seq[ino] = self.write_seq.get(ino, 0) + 1
+        self._writes += 1  # one counter for all files: a value is never seen twice, even on a reused st_ino
+        self.write_seq[ino] = self._writes
 
     def inode_freed(self, ino: int) -> None:
         """The hot-dir inode `ino` is gone for good (no name, no fd, forgotten by the kernel) and the file system
         may give its st_ino to the next file: nothing kept by st_ino may carry over to that file. (write_seq
-        stays: it only ever moves forward, which is all an upload in flight compares.)"""
+        goes too unless a live entry has the inode: its values come from one counter, so a new file on this st_ino
+        never repeats one.)"""
         self.last_write.pop(ino, None)
         self.last_fsync.pop(ino, None)
+        if ino not in self.by_ino:  # an upload in flight compares its count only while its file is live
+            self.write_seq.pop(ino, None)
         if self.appendlog is not None:
             self.appendlog.inode_freed(ino)
 
@@ -457,8 +470,9 @@ class Engine:
 
     def hold(self, e: Entry, held_fd: int) -> None:
         """Fetches and evictions of `e` go to its own inode, which has no name any more."""
-        if e.file_id not in self._fds:
-            self._fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
+        if e.file_id not in self._held_fds:
+            self._held_fds[e.file_id] = os.open(f"/proc/self/fd/{held_fd}", os.O_RDWR)  # the unlinked inode itself
+            self._forget_fd(e.file_id, held=False)
 
     def keep_orphan(self, e: Entry, held_fd: int) -> None:
         """A following mount removed `e`'s name or gave it to a newer file while `e` is open: served through its
@@ -492,6 +506,7 @@ class Engine:
         self._forget_fd(e.file_id)
         self.uploader.forget(e.file_id)
         self.evictor.forget(e.file_id)
+        self.cache.forget(e)
 
     # ------------------------------------------------------------------ rows: copy, commit, then become
 
@@ -526,21 +541,29 @@ class Engine:
                                         f"is not held (fenced)")
 
     def fd(self, e: Entry) -> int:
-        """The engine's O_RDWR fd of a tiered file, by file id: opened while the file has its name, kept across
-        renames and after an unlink while open, so a punch or an install always hits this file's inode."""
+        """The engine's O_RDWR fd of a tiered file, by file id: opened by its current name and checked to be its
+        inode, or the fd held on it after an unlink while open, so a punch or an install always hits this file.
+        Use it with no await before the use: the LRU may close it to open another one (a thread gets a dup)."""
+        fd = self._held_fds.get(e.file_id)
+        if fd is not None:
+            return fd
         fd = self._fds.get(e.file_id)
-        if fd is None:
-            fd = os.open(self.hot / e.path, os.O_RDWR | os.O_NOFOLLOW)
-            if os.fstat(fd).st_ino != e.ino:
-                os.close(fd)
-                raise ReadFailed(f"{e.path}: the hot file was replaced behind the daemon's back")
-            self._fds[e.file_id] = fd
+        if fd is not None:
+            self._fds.move_to_end(e.file_id)
+            return fd
+        fd = os.open(self.hot / e.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if os.fstat(fd).st_ino != e.ino:
+            os.close(fd)
+            raise ReadFailed(f"{e.path}: the hot file was replaced behind the daemon's back")
+        self._fds[e.file_id] = fd
+        while len(self._fds) > ENGINE_FDS:
+            os.close(self._fds.popitem(last=False)[1])
         return fd
 
-    def has_fd(self, e: Entry) -> bool:
-        return e.file_id in self._fds
-
-    def _forget_fd(self, file_id: int) -> None:
+    def _forget_fd(self, file_id: int, held: bool = True) -> None:
         fd = self._fds.pop(file_id, None)
+        if fd is not None:
+            os.close(fd)
+        fd = self._held_fds.pop(file_id, None) if held else None
         if fd is not None:
             os.close(fd)

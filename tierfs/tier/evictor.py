@@ -184,10 +184,18 @@ class Evictor:
         eng = self.eng
         dirty = [eng.files[i] for i in self._dirty if i in eng.files]
         self._dirty.clear()
-        dirty = [e for e in dirty if eng.tiered.get(e.ino) is e and eng.has_fd(e)]
-        before = [bytes(e.resident) for e in dirty]
+        dirty = [e for e in dirty if eng.tiered.get(e.ino) is e]
         # copies of the engine's fds: a file deleted meanwhile has its fd closed (and its number maybe reused)
-        fds = [os.dup(eng.fd(e)) for e in dirty]
+        fds: list[int] = []
+        kept: list[Entry] = []
+        for e in dirty:
+            try:
+                fds.append(os.dup(eng.fd(e)))
+                kept.append(e)
+            except (OSError, ReadFailed) as err:  # gone or renamed meanwhile: its bits wait for the next change
+                log.debug("residency of %s not persisted now (%s)", e.path, err)
+        dirty = kept
+        before = [bytes(e.resident) for e in dirty]
         try:
             await trio.to_thread.run_sync(self._sync, fds)
             # a bit goes to the catalog only if it was set before the fdatasync (its bytes are durable) and is
