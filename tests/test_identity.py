@@ -165,10 +165,15 @@ def test_rename_exchange_swaps_identities(mount_store):
 
 def test_rename_of_the_hot_dir_while_unmounted_is_followed(mount_store):
     """A crash between the hot-dir rename and its catalog commit is the same as a rename the daemon never saw:
-    the next mount finds the file by its identity and the row follows it."""
+    `tierfs fsck --repair` says where the file is and keeps its row and objects, and the next mount finds the
+    file by its identity and the row follows it."""
+    from test_fsck import fsck
+
     m, data = tiered_segment(mount_store)
     m.umount()
     os.rename(m.hot / TOPIC, m.hot / "consumequeue/TopicK")
+    code, rep, err = fsck(m.hot, "--repair")
+    assert rep["summary"].get("row_renamed") == 1 and not rep["summary"].get("row_without_hot_file"), rep
     m.mount()
     rel = SEG.replace("TopicI", "TopicK")
     assert_reads(m, rel, data)
@@ -251,3 +256,42 @@ def test_engine_fds_stay_bounded_with_many_tiered_files(mount_store):
         return sum(t.startswith(hot + "/consumequeue") for t in fd_targets(m.pid))
     wait_for(lambda: held() <= ENGINE_FDS, timeout=30, what=f"at most {ENGINE_FDS} fds of tiered files "
                                                              f"(the daemon holds {held()})")
+
+
+def test_a_hard_linked_tiered_file_survives_a_takeover_as_one_file(tmp_path, mount_store):
+    """A catalog snapshot names a hard link's second name as the tiered file it is (before: it read the evicted
+    file's holes as a blob of zeros), and a takeover builds both names as one inode (one row, one set of objects):
+    both names read the segment, and deleting one of them later leaves the other whole."""
+    import shutil
+    import signal
+    import time
+
+    from test_rpo import RPO, status, takeover, wait_round_after
+
+    (tmp_path / "objects").mkdir()
+    url = f"file://{tmp_path / 'objects'}"
+    opts = [OPTS, f"objectstore.url={url},store.id=links,tiering.rpo_seconds={RPO},lease.ttl_seconds=60,"
+                  f"compaction.enabled=false"]
+    a = mount_store(options=opts)
+    data = units(2000, 7)
+    write_segment(a, SEG, data)
+    wait_evicted(a, SEG)
+    backup = "backup/q0"
+    (a.mnt / "backup").mkdir()
+    os.link(a.mnt / SEG, a.mnt / backup)
+    wait_round_after(a, time.time())  # a point that has both names
+    a.kill(signal.SIGKILL)
+    shutil.rmtree(a.hot)
+
+    b, _ = takeover(tmp_path, f"{url}/links", opts, "b")
+    try:
+        assert os.stat(b.mnt / SEG).st_ino == os.stat(b.mnt / backup).st_ino, "two files where there was one"
+        rows = [f["path"] for f in status(b)["files"] if f["state"] == "tiered"]
+        assert len(rows) == 1 and rows[0] in (SEG, backup), rows
+        assert_reads(b, SEG, data)
+        assert_reads(b, backup, data)
+        os.unlink(b.mnt / SEG)
+        b.remount()
+        assert_reads(b, backup, data)
+    finally:
+        b.cleanup()

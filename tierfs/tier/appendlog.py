@@ -394,10 +394,11 @@ class AppendLog:
                 await eng.db(eng.catalog.save_tails, rows)
                 self._saved = rows
             # deletes waiting for kept snapshots to roll over (ours or the janitor's) force a new one
-            roll = eng.snapshotter.roll_requested
+            refs = eng.snapshotter.references
+            roll = refs.roll_requested
             snap = await eng.snapshotter.take(reason, force=roll, walked=walked, started=t0)
             if roll:
-                eng.snapshotter.roll_requested = False
+                refs.roll_requested = False
             # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
             # means the previous one already holds it), except in files whose upload failed: the snapshot still
             # went up, naming their last committed objects, so one failing file never holds the others back
@@ -798,12 +799,12 @@ class AppendLog:
         due = [k for k, since in self.retired.items() if now - since >= grace]
         if not due or self.eng.snapshotter is None:
             return
-        free = self.eng.snapshotter.unreferenced(due)
-        if not free:
-            return
-        if self.eng.lease is not None:
-            self.eng.lease.verify()
-        self.store.delete_many(free)
+        with self.eng.snapshotter.references.may_delete(due) as free:  # held until the delete is done
+            if not free:
+                return
+            if self.eng.lease is not None:
+                self.eng.lease.verify()
+            self.store.delete_many(free)
         for k in free:
             self.retired.pop(k, None)
         self.deleted += len(free)

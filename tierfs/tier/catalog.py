@@ -3,7 +3,9 @@
 A row is keyed by its file id (never reused; it survives rename, hard links and directory renames, and travels
 with the hot file: tierfs.tier.identity). The path is a derived attribute, for display, classification and object
 key naming: only inserts and the namespace changes (`apply_namespace`) write it, so a row committed from a copy
-made before a rename never puts the old name back. A segment with no row is plain HOT. Rows are written in one transaction per state change with
+made before a rename never puts the old name back. A segment with no row is plain HOT.
+
+Rows are written in one transaction per state change with
 synchronous=FULL, so after a crash the catalog says exactly what was durable: a TIERED row means the objects
 were verified, and the local bytes may only be dropped after that commit. The resident bitmap follows one rule:
 a block is marked non-resident *durably before* its bytes are punched out of the hot file, and marked resident

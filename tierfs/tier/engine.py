@@ -7,7 +7,9 @@ State: `files` holds every catalog entry by its file id (from the catalog's one 
 rename, stamped on the hot inode: tierfs.tier.identity); `by_ino` (by hot-dir st_ino: what the FUSE front knows a
 file by, whatever name it was opened by), `entries` (by current name: a derived index the namespace keeps),
 `tiered` (TIERED entries by st_ino, the FUSE fast path) and `orphans` (unlinked while open) are indexes into it.
-Every name change goes through tierfs.tier.namespace. Every state change is one catalog transaction on a detached copy of
+Every name change goes through tierfs.tier.namespace.
+
+Every state change is one catalog transaction on a detached copy of
 the row (`Entry.copy`), applied to the live entry (`become`) only after the commit, and re-checked after every
 await: a file may have been written, renamed or unlinked meanwhile.
 
@@ -302,29 +304,8 @@ class Engine:
         return (path, st, stamp) if identity.matches(st.st_ino, stamp, e.ino, e.file_id, trusted) else None
 
     def paths_of(self, inos: set[int]) -> dict[int, list[str]]:
-        """Blocking: every path of the hot dir (but the state dir) whose inode number is in `inos` (scandir
-        gives it without a stat)."""
-        out: dict[int, list[str]] = {}
-        stack = [""]
-        while stack:
-            d = stack.pop()
-            try:
-                it = os.scandir(self.hot / d if d else self.hot)
-            except (FileNotFoundError, NotADirectoryError, PermissionError):
-                continue
-            with it:
-                for de in it:
-                    rel = f"{d}/{de.name}" if d else de.name
-                    if not d and self.hot / de.name == self.state_dir:
-                        continue
-                    try:
-                        if de.is_dir(follow_symlinks=False):
-                            stack.append(rel)
-                        elif de.inode() in inos:
-                            out.setdefault(de.inode(), []).append(rel)
-                    except OSError:
-                        continue
-        return out
+        """Blocking: every path of the hot dir (but the state dir) whose inode number is in `inos`."""
+        return identity.paths_of(self.hot, self.state_dir, inos)
 
     @staticmethod
     def _changed_while_unmounted(e: Entry, st: os.stat_result) -> str:

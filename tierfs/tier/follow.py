@@ -144,7 +144,7 @@ class Follower:
         tmp = state / "follow.db"
         tmp.write_bytes(data)
         try:
-            files, tree = snap._load(tmp, sid, state.name)
+            files, tree = snap.load_snapshot(tmp, sid, state.name)
             tails = snap.load_tails(tmp, sid, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
         finally:
             tmp.unlink(missing_ok=True)

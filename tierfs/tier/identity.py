@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 log = logging.getLogger("tierfs.tier")
 
@@ -92,3 +93,29 @@ def matches(st_ino: int, stamped: int | None, row_ino: int, file_id: int, stamps
     if stamped is not None:
         return stamped == file_id
     return (not stamps_trusted or _warned) and bool(row_ino) and st_ino == row_ino
+
+
+def paths_of(hot: Path, state_dir: Path, inos: set[int]) -> dict[int, list[str]]:
+    """Blocking: every path of the hot dir (but the state dir) whose inode number is in `inos`, found by one
+    walk (scandir gives the number without a stat): where files renamed behind the catalog's back are now."""
+    out: dict[int, list[str]] = {}
+    stack = [""]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(hot / d if d else hot)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        with it:
+            for de in it:
+                rel = f"{d}/{de.name}" if d else de.name
+                if not d and hot / de.name == state_dir:
+                    continue
+                try:
+                    if de.is_dir(follow_symlinks=False):
+                        stack.append(rel)
+                    elif de.inode() in inos:
+                        out.setdefault(de.inode(), []).append(rel)
+                except OSError:
+                    continue
+    return out

@@ -221,9 +221,10 @@ def _file_row(e: Entry, st: os.stat_result) -> tuple:
     return entry_to_row(e) + (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
 
-def _copy(e: Entry) -> Entry:
-    """A TIERED entry as a reader gets it: the objects say everything, nothing is resident."""
-    return dataclasses.replace(e, resident=bytearray(), last_access=0.0)
+def _copy(e: Entry, rel: str) -> Entry:
+    """A TIERED entry as a reader gets it under the name `rel` (a hard-linked file is a row per name, with one
+    file id): the objects say everything, nothing is resident."""
+    return dataclasses.replace(e, path=rel, resident=bytearray(), last_access=0.0)
 
 
 def _row_keys(objects: str, unit_ref: str) -> list[str]:
@@ -348,11 +349,11 @@ class Snapshotter:
             # with append objects, the broker's checkpoint as read before they were (see appendlog.CHECKPOINT_FILES)
             frozen = dict(alog.checkpoints) if tails else {}
             for rel in stats:
-                e = self.eng.entries.get(rel)
+                e = self._entry_at(rel, stats[rel])
                 if rel in tails:
                     continue
                 if e is not None and e.state is State.TIERED:
-                    tiered[rel] = _copy(e)
+                    tiered[rel] = _copy(e, rel)
                 else:
                     todo[rel] = e.generation if e is not None else 0
             # held from this loop turn on: a delete decided later waits for this snapshot (issue 27)
@@ -365,9 +366,9 @@ class Snapshotter:
                 got = await trio.to_thread.run_sync(self._blob_files, list(todo), counters, frozen)
                 again: dict[str, int] = {}
                 for rel, gen in todo.items():
-                    e = self.eng.entries.get(rel)
+                    e = self._entry_at(rel, stats[rel])
                     if e is not None and e.state is State.TIERED:
-                        tiered[rel] = _copy(e)  # tiered (maybe evicted) while we read it
+                        tiered[rel] = _copy(e, rel)  # tiered (maybe evicted) while we read it
                         flight.name(e.all_objects())
                     elif (e.generation if e is not None else 0) != gen:
                         again[rel] = e.generation if e is not None else 0  # re-tiered meanwhile: read it again
@@ -422,6 +423,12 @@ class Snapshotter:
                 dst.close()
         finally:
             src.close()
+
+    def _entry_at(self, rel: str, st: os.stat_result) -> Entry | None:
+        """The engine's entry of the file the walk found at `rel`, by its inode (a hard link's other name is the
+        same file: its punched bytes must never be read as a blob of zeros)."""
+        e = self.eng.by_ino.get(st.st_ino)
+        return e if e is not None else self.eng.entries.get(rel)
 
     def walk(self) -> tuple[list[tuple], dict[str, os.stat_result]]:
         """(directories and symlinks as snapshot_tree rows, regular files with their lstat) of the hot dir."""
@@ -610,21 +617,6 @@ class Snapshotter:
                 self._unref_since.pop(s, None)
             log.info("deleted %d snapshot blobs no kept snapshot uses", len(due))
 
-    @property
-    def roll_requested(self) -> bool:
-        """Kept for the append log (tierfs.tier.appendlog), which should ask self.references itself."""
-        return self.references.roll_requested
-
-    @roll_requested.setter
-    def roll_requested(self, value: bool) -> None:
-        self.references.roll_requested = value
-
-    def unreferenced(self, keys: list[str]) -> list[str]:
-        """Kept for the append log's collector, which should use `self.references.may_delete` itself. No stale
-        row names a retired append object, so the reservation may end before its delete."""
-        with self.references.may_delete(keys) as free:
-            return free
-
     def _keys_of(self, seq: int) -> set[str]:
         """Every object a kept snapshot names (segment objects, their tables, blobs, tails): read its .db."""
         tmp = self.eng.state_dir / "snapshot.gc.db"
@@ -688,7 +680,8 @@ def _check_entry(e: Entry, store_id: str) -> None:
             raise ValueError(f"object key {k!r} is outside store id {store_id!r}")
 
 
-def _load(db_path: Path, store_id: str, reserved: str) -> tuple[list[tuple[Entry, int, int, int]], list[tuple]]:
+def load_snapshot(db_path: Path, store_id: str, reserved: str
+                  ) -> tuple[list[tuple[Entry, int, int, int]], list[tuple]]:
     """(files, tree) of a downloaded snapshot, every row validated; SnapshotError names the bad row."""
     db = sqlite3.connect(f"file:{urllib.parse.quote(str(db_path))}?mode=ro", uri=True)
     try:
@@ -749,12 +742,12 @@ def load_tails(db_path: Path, store_id: str, reserved: str, seen: set[str]) -> l
 
 
 def tail_stub(t: appendlog.TailRow) -> tuple[Entry, int, int, int]:
-    """A tail as _build_tree takes files: a sparse file of its size, mode and owner."""
+    """A tail as build_tree takes files: a sparse file of its size, mode and owner."""
     e = Entry(path=t.path, kind=classify(t.path).value, size=t.size, mtime_ns=t.mtime_ns, state=State.HOT)
     return e, t.mode, t.uid, t.gid
 
 
-def _wipe(hot: Path, state: Path) -> None:
+def wipe_local(hot: Path, state: Path) -> None:
     """Empty a read-only cache of an older snapshot (never follows symlinks; keeps lock, pid, log, marker)."""
     for ent in os.scandir(hot):
         p = Path(ent.path)
@@ -768,7 +761,7 @@ def _wipe(hot: Path, state: Path) -> None:
         (state / name).unlink(missing_ok=True)
 
 
-def _build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[tuple]) -> None:
+def build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[tuple]) -> None:
     """Directories, then sparse files (true size, mode, owner, mtime; no data), then symlinks, then directory
     attributes. Parents must be directories of the snapshot (implied ones are made): no path ever passes through
     a symlink, whatever the snapshot says."""
@@ -830,7 +823,7 @@ def prepare_readonly(store: ObjectStore, store_id: str, hot: Path, state: Path) 
                             f"use an empty directory (--cache-dir)")
     # ours from here on, so a build that stops halfway (crash, bad snapshot) is wiped next time, not refused
     marker.write_text(json.dumps({"store": store.url, "store_id": store_id, "seq": None}) + "\n")
-    _wipe(hot, state)
+    wipe_local(hot, state)
     for attempt in range(3):
         try:
             data = store.get(ptr.key)
@@ -847,9 +840,9 @@ def prepare_readonly(store: ObjectStore, store_id: str, hot: Path, state: Path) 
                             f"{crc32c.crc32c(data):08x}, the pointer says {ptr.size} bytes with {ptr.crc32c:08x}")
     snap = state / "snapshot.db"
     snap.write_bytes(data)
-    files, tree = _load(snap, store_id, state.name)
+    files, tree = load_snapshot(snap, store_id, state.name)
     tails = load_tails(snap, store_id, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
-    _build_tree(hot, files + [tail_stub(t) for t in tails], tree)
+    build_tree(hot, files + [tail_stub(t) for t in tails], tree)
     try:  # active files are local in a read-only cache: the engine serves them as plain hot files
         for t in tails:
             appendlog.materialise(store, hot, t)

@@ -144,7 +144,7 @@ def prepare_takeover(store: ObjectStore, store_id: str, hot: Path, state: Path, 
         if info.get("done"):
             log.info("hot dir %s was already taken over from snapshot %s; serving it", hot, info.get("seq"))
             return info
-        snap._wipe(hot, state)  # a takeover that stopped halfway: start again
+        snap.wipe_local(hot, state)  # a takeover that stopped halfway: start again
     _check_empty(hot, state)
     try:
         return _take_over(store, store_id, hot, state, spec, ttl, grace, marker)
@@ -169,17 +169,24 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
                                  f"its pointer)")
     snap_db = state / "takeover-snapshot.db"
     snap_db.write_bytes(data)
-    files, tree = snap._load(snap_db, store_id, state.name)
+    files, tree = snap.load_snapshot(snap_db, store_id, state.name)
     tails = snap.load_tails(snap_db, store_id, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
-    snap._build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree)
+    snap.build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree)
     bpre = snap.blob_prefix(store_id)
     tiered: list[Entry] = []
+    linked: dict[tuple, Entry] = {}  # a hard-linked file is a row per name with one id: one inode here too
     local_bytes = 0
     try:
         for e, *_ in files:
             if e.objects and all(k.startswith(bpre) for k in e.objects):
                 local_bytes += _write_blob_file(store, hot, e)  # a mutable (or not yet sealed) file: local
             elif e.objects:
+                same = linked.get((e.file_id, e.generation, tuple(e.objects)))
+                if same is not None and e.file_id:
+                    os.unlink(hot / e.path)  # the sparse file build_tree made for this name
+                    os.link(hot / same.path, hot / e.path)
+                    continue
+                linked[(e.file_id, e.generation, tuple(e.objects))] = e
                 tiered.append(e)  # a sealed segment: remote, fetched on demand
         for t in tails:
             local_bytes += appendlog.materialise(store, hot, t)
