@@ -295,3 +295,39 @@ def test_a_hard_linked_tiered_file_survives_a_takeover_as_one_file(tmp_path, mou
         assert_reads(b, backup, data)
     finally:
         b.cleanup()
+
+
+def test_a_file_renamed_over_a_segment_during_its_probe_is_sealed(mount_store):
+    """Finding 7: a segment replaced by a rename while the sealer probed it was parked as a candidate without an
+    inode, which no probe ever took up again: the new file stayed local for good (unless something fsync'd it
+    through the mount once more). Now the next probe binds the candidate to the inode the name has."""
+    m = mount_store(options=[OPTS], env={"TIERFS_FAILPOINTS": "seal.probed=sleep:2"})
+    first = units(500, 1)
+    write_segment(m, SEG, first[:-20] + b"\0" * 20)  # incomplete: probed, never sealed
+    wait_for(lambda: "failpoint seal.probed: holding" in m.log_text(), timeout=30, what="a probe holding")
+    data = units(800, 2)
+    write_segment(m, f"{TOPIC}/0/tmp", data)  # fsync'd under its first name: nothing flushes it again
+    marks = m.log_text().count("failpoint seal.probed: held")
+    wait_for(lambda: m.log_text().count("failpoint seal.probed: holding") > marks, timeout=30, what="next probe")
+    os.rename(m.mnt / TOPIC / "0" / "tmp", m.mnt / SEG)  # while that probe holds the old inode's verdict
+    wait_evicted(m, SEG)
+    assert_reads(m, SEG, data)
+
+
+def test_an_unlink_during_the_tiered_commit_leaks_no_object(mount_store):
+    """Finding 9: a segment unlinked while its upload's TIERED commit was on its way: the unlink dropped the row
+    with no objects to delete (the entry was still UPLOADING), and the upload's commit either wrote the row back
+    or left its chunks in the store for good. Now whichever commit runs first, the row ends gone and the chunks
+    are deleted."""
+    m = mount_store(options=[OPTS], env={"TIERFS_FAILPOINTS": "tier.upload_commit=sleep:2"})
+    write_segment(m, SEG, units(2000, 3))
+    wait_for(lambda: "failpoint tier.upload_commit: pausing" in m.log_text(), timeout=30, what="an upload commit")
+    os.unlink(m.mnt / SEG)
+    seg_objects = m.state_dir / "objects"
+
+    def chunks() -> list[str]:
+        return [str(p) for p in seg_objects.rglob("*") if p.is_file() and "/seg/" in str(p)]
+    wait_for(lambda: not chunks(), timeout=60, what="the deleted segment's chunks deleted")
+    m.remount()
+    assert SEG not in files_by_path(m), "a stale row came back"
+    assert not chunks()

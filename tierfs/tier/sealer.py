@@ -180,7 +180,7 @@ class Sealer:
             what = verdict[0]
             if what == "wait":
                 continue
-            if what == "bind":  # a candidate parked without its inode: probed next time with the one it has
+            if what == "bind":  # a candidate without its inode (or another's): probed next time with the one it has
                 if self._candidates.get(rel) == cands[rel]:
                     self._candidates[rel] = verdict[1]
                 continue
@@ -329,8 +329,9 @@ class Sealer:
     def _probe(self, cands: dict[str, int]) -> list[tuple[str, tuple]]:
         """Blocking: each candidate's verdict. ('wait',): not quiet yet; ('flush', ino, mark): quiet, but
         written since the last flush the daemon saw; ('drop',): gone, past HOT, or kept local;
-        ('retry', err) / ('bad', err): unreadable now / for good;
-        ('checked', lstat, write seq before the read, kind, sealed?, why)."""
+        ('retry', err) / ('bad', err): unreadable now / for good; ('bind', ino): a candidate parked without its
+        inode, to be probed with the one it has now; ('checked', lstat, write seq before the read, kind, sealed?,
+        why)."""
         quiet = float(self.eng.config["seal.quiet_seconds"])
         out: list[tuple[str, tuple]] = []
         for rel, ino in cands.items():
@@ -342,6 +343,7 @@ class Sealer:
                 out.append((rel, ("bad", err)))
             except OSError as err:
                 out.append((rel, ("retry", err)))
+        failpoints.hit("seal.probed")  # tests: names change between a probe and its verdict
         return out
 
     def _probe_one(self, rel: str, ino: int, quiet: float) -> tuple:
@@ -350,13 +352,11 @@ class Sealer:
             return ("drop",)
         rel.encode()  # a name SQLite cannot store (not UTF-8) fails here, on its own, not in a batch commit
         st = os.lstat(eng.hot / rel)
-        if not ino:
-            return ("bind", st.st_ino)
+        if st.st_ino != ino:  # parked without one, or the name has another file now: probed next time with the
+            return ("bind", st.st_ino)  # inode the truncate barrier then protects (waiting would wait forever)
         e = eng.by_ino.get(ino)
         if e is not None and (e.state is not State.HOT or e.path != rel):
             return ("drop",)
-        if st.st_ino != ino:
-            return ("wait",)  # not the inode the truncate barrier protects: look again with the right one
         lw = eng.last_write.get(ino)
         if time.time() - st.st_mtime < quiet or (lw is not None and time.monotonic() - lw < quiet):
             return ("wait",)

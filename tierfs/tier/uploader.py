@@ -127,6 +127,11 @@ class Uploader:
                     if not eng.is_live(e):
                         log.info("%s was deleted during its upload", e.path)  # a broker's retention: no error
                         continue
+                    if isinstance(err, FileNotFoundError):  # renamed while its upload opened it: again, no error
+                        log.debug("%s was renamed during its upload (%s); it goes again", e.path, err)
+                        if e.state is not State.HOT:
+                            self.queue.push(e.file_id, e.mtime_ns)
+                        continue
                     eng.stats.upload_failures += 1
                     eng.stats.last_error = f"upload {e.path}: {err}"
                     if isinstance(err, ValueError):  # the store refuses this segment's object key: never tiered
@@ -246,6 +251,7 @@ class Uploader:
         # paths; a rename queues its own transaction after ours): memory changes only once it is durable
         rows = [eng.tiered_copy(e, res) for (e, _, _), res in done]
         void_rows = [eng.hot_copy(e, gen0 + i) for i, e in enumerate(voided)]
+        await failpoints.pause("tier.upload_commit")  # tests: an unlink while the TIERED commit is on its way
         await eng.db(eng.catalog.put_many, rows + void_rows, void_keys, now)
         failpoints.hit("tier.after_commit")
         for e, row in zip(voided, void_rows):
