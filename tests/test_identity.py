@@ -302,14 +302,14 @@ def test_a_file_renamed_over_a_segment_during_its_probe_is_sealed(mount_store):
     inode, which no probe ever took up again: the new file stayed local for good (unless something fsync'd it
     through the mount once more). Now the next probe binds the candidate to the inode the name has."""
     m = mount_store(options=[OPTS], env={"TIERFS_FAILPOINTS": "seal.probed=sleep:2"})
-    first = units(500, 1)
-    write_segment(m, SEG, first[:-20] + b"\0" * 20)  # incomplete: probed, never sealed
-    wait_for(lambda: "failpoint seal.probed: holding" in m.log_text(), timeout=30, what="a probe holding")
     data = units(800, 2)
-    write_segment(m, f"{TOPIC}/0/tmp", data)  # fsync'd under its first name: nothing flushes it again
-    marks = m.log_text().count("failpoint seal.probed: held")
-    wait_for(lambda: m.log_text().count("failpoint seal.probed: holding") > marks, timeout=30, what="next probe")
+    write_segment(m, f"{TOPIC}/0/tmp", data)  # no segment name: never a candidate; fsync'd: never flushed again
+    write_segment(m, SEG, units(500, 1))  # complete: its probe's verdict is "seal it"
+    wait_for(lambda: f"probed {SEG}: checked" in m.log_text(), timeout=30, what="a probe that says: seal it")
     os.rename(m.mnt / TOPIC / "0" / "tmp", m.mnt / SEG)  # while that probe holds the old inode's verdict
+    log = m.log_text()
+    assert log.count("failpoint seal.probed: paused") < log.count("failpoint seal.probed: pausing"), \
+        "the rename came after that probe's verdict was applied"
     wait_evicted(m, SEG)
     assert_reads(m, SEG, data)
 

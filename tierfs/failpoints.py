@@ -54,5 +54,6 @@ async def pause(name: str) -> None:
 
         logging.getLogger("tierfs.failpoints").info("failpoint %s: pausing %s s", name, action[6:])
         await trio.sleep(float(action[6:]))
+        logging.getLogger("tierfs.failpoints").info("failpoint %s: paused", name)
         return
     hit(name)

@@ -174,6 +174,9 @@ class Sealer:
                     self._probing[ino] = n
             self._probe_done.set()
             self._probe_done = trio.Event()
+        if failpoints.enabled():  # tests: names change between a probe and its verdict
+            log.info("probed %s", ", ".join(f"{rel}: {v[0]}" for rel, v in probes))
+            await failpoints.pause("seal.probed")
         sealed: list[tuple[Entry, Entry | None, int, str]] = []  # entry, the one it replaces, seq, why
         flush: list[tuple[str, int, tuple[int, int]]] = []
         for rel, verdict in probes:
@@ -343,7 +346,6 @@ class Sealer:
                 out.append((rel, ("bad", err)))
             except OSError as err:
                 out.append((rel, ("retry", err)))
-        failpoints.hit("seal.probed")  # tests: names change between a probe and its verdict
         return out
 
     def _probe_one(self, rel: str, ino: int, quiet: float) -> tuple:
