@@ -54,7 +54,7 @@ from tierfs.tier.follow import Follower
 from tierfs.tier.janitor import run_janitor
 from tierfs.tier import identity
 from tierfs.tier.lease import WriterLease
-from tierfs.tier.namespace import Namespace
+from tierfs.tier.namespace import Namespace, storable
 from tierfs.tier.primer import Primer
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
@@ -243,7 +243,8 @@ class Engine:
                 continue
             path, st, stamp = found[e.file_id]
             if path != e.path:
-                moves.append((e.file_id, path))
+                if storable(path):  # (a name that is not UTF-8 is found again at each mount)
+                    moves.append((e.file_id, path))
                 e.path = path
             changed = self._changed_while_unmounted(e, st)
             if changed and not self.read_only:

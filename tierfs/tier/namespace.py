@@ -33,6 +33,16 @@ log = logging.getLogger("tierfs.tier")
 RENAME_EXCHANGE = 2
 
 
+def storable(*names: str) -> bool:
+    """Can the catalog hold these names (UTF-8 text; a file system name may be any bytes)?"""
+    try:
+        for n in names:
+            n.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Namespace:
     def __init__(self, engine: Engine):
         self.eng = engine
@@ -90,10 +100,16 @@ class Namespace:
         for p, e in todo:
             e.path = moved(p)  # type: ignore[assignment]
             eng.entries[e.path] = e
-            moves.append((e.file_id, e.path))
+            if storable(e.path):  # a name that is not UTF-8 stays in memory; the next mount finds the file again
+                moves.append((e.file_id, e.path))
         eng.sealer.renamed(old, new, is_dir or exchange)
-        await eng.db(eng.catalog.apply_namespace, moves, [r for r, _ in removes],
-                     [(old, new), (new, old)] if exchange else [(old, new)])
+        # pipeline artifacts follow a file with a row, or anything below a directory; a name the catalog cannot
+        # hold (not UTF-8) has none. A rename of a file with no row (a config .tmp) costs no transaction.
+        pairs = [(old, new), (new, old)] if exchange else [(old, new)]
+        if not (moves or ((is_dir or exchange) and storable(old, new))):
+            pairs = []
+        if moves or removes or pairs:
+            await eng.db(eng.catalog.apply_namespace, moves, [r for r, _ in removes], pairs)
         self._lost(removes)
         if stay is not None:
             await self._rename_row(stay, new, replaced[3])  # type: ignore[index]
@@ -136,9 +152,9 @@ class Namespace:
             other = min(paths.get(e.ino, ()), default=None)
         if not eng.is_live(e) or e.path != rel:
             return  # renamed, unlinked or replaced while we looked: that change moved the row
-        if other is None:
-            log.warning("%s: a hard link of file id %d went and no other name was found; the next mount finds it",
-                        rel, e.file_id)
+        if other is None or not storable(other):
+            log.warning("%s: a hard link of file id %d went and no other name the catalog can hold was found (%r); "
+                        "the next mount finds the file by its identity", rel, e.file_id, other)
             return
         if eng.entries.get(rel) is e:
             del eng.entries[rel]
