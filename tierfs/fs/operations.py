@@ -266,7 +266,7 @@ class TierOperations(pyfuse3.Operations):
             ino = self.control.inode_of(os.fsdecode(name))
             if ino is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
-            return self.control.attrs(ino, fresh=True)
+            return await self.control.attrs_async(ino, fresh=True)
         if parent == ROOT and name == control.NAME.encode():
             return self.control.attrs(control.DIR_INODE)
         if name == b".":
@@ -287,7 +287,7 @@ class TierOperations(pyfuse3.Operations):
     @_handler("getattr")
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if control.ControlDir.owns(inode):
-            return self.control.attrs(inode)
+            return await self.control.attrs_async(inode)
         return self._attrs(self._stat_inode(inode), inode)
 
     @_handler("setattr")
@@ -556,7 +556,7 @@ class TierOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EROFS if inode != control.DIR_INODE else errno.EISDIR)
             fh = _CONTROL_FH_BASE + self._next_handle
             self._next_handle += 1
-            self._control_fh[fh] = self.control.render(inode, reuse=True)
+            self._control_fh[fh] = await self.control.render_async(inode, reuse=True)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         if self.read_only and (flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC):
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -737,7 +737,7 @@ class TierOperations(pyfuse3.Operations):
                 elif i == 1:
                     attrs = self._attrs(self.hotdir.lstat(""), ROOT)
                 else:
-                    attrs = self.control.attrs(self.control.inode_of(names[i]))
+                    attrs = await self.control.attrs_async(self.control.inode_of(names[i]))
                 if not pyfuse3.readdir_reply(token, names[i].encode(), attrs, i + 1):
                     return
             return
