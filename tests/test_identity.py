@@ -331,3 +331,44 @@ def test_an_unlink_during_the_tiered_commit_leaks_no_object(mount_store):
     m.remount()
     assert SEG not in files_by_path(m), "a stale row came back"
     assert not chunks()
+
+
+def test_a_compaction_swap_never_overwrites_a_write(mount_store):
+    """Finding 8: a write into a tiered segment commits its row HOT (a new generation) a moment before memory
+    follows; a compaction applied in that moment swapped in the lz4c objects of the old content over the HOT
+    row (the swap was an INSERT OR REPLACE), and after a remount the old content was served: the write was lost.
+    Now the swap is a compare-and-swap on (generation, tiered, raw) and the compacted object goes instead."""
+    import sys
+    import time
+
+    from test_compaction import compact
+
+    hold = 120  # seconds the write's memory update waits: far longer than the compaction job below
+    # quiet for 5 s before a seal: the written file is not sealed (and its row rewritten) before the kill below
+    # and the old generation's objects stay for the grace, as in production: the job can read them
+    m = mount_store(options=[OPTS.replace("seal.quiet_seconds=0.05", "seal.quiet_seconds=5")
+                             .replace("delete.grace_seconds=0", "delete.grace_seconds=600")
+                             + ",compaction.enabled=false,spark.master=local[2]"],
+                    env={"TIERFS_FAILPOINTS": f"tier.rewrite_committed=sleep:{hold}"})
+    data = units(2000, 7)
+    write_segment(m, SEG, data)
+    wait_evicted(m, SEG)
+    patch = struct.pack(">qiq", 1000 * 100, 100, 424242)  # unit 1000, rewritten (still a complete segment)
+    code = ("import os,sys; fd=os.open(sys.argv[1], os.O_RDWR); os.pwrite(fd, bytes.fromhex(sys.argv[2]), 20000); "
+            "os.fsync(fd); os.close(fd)")
+    t0 = time.monotonic()
+    writer = subprocess.Popen([sys.executable, "-c", code, str(m.mnt / SEG), patch.hex()])
+    try:
+        wait_for(lambda: "failpoint tier.rewrite_committed: pausing" in m.log_text(), timeout=60,
+                 what="the write's HOT row committed")
+        result = compact(m, "--only", "segments")
+        assert writer.poll() is None and time.monotonic() - t0 < hold, "the compaction did not land in the window"
+        assert not result["errors"], result  # the job compacted the old generation; its swap came in the window
+        assert writer.wait(timeout=hold + 60) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    m.kill()  # the write is acknowledged (fsync'd); a crash now must not lose it
+    m.mount()
+    wait_evicted(m, SEG)  # whatever the catalog says the file is, its local copy goes: the store must hold it
+    assert_reads(m, SEG, data[:20_000] + patch + data[20_020:])

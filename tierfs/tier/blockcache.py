@@ -1124,6 +1124,7 @@ class BlockCache:
         old_keys = e.all_objects()
         await eng.db(eng.catalog.replace, row, old_keys, time.time() + grace, ("cidx",))
         failpoints.hit("tier.rewritten")
+        await failpoints.pause("tier.rewrite_committed")  # tests: the row is HOT, memory still says TIERED
         # committed: from here the hot file is the only copy, so the entry leaves `tiered` whatever else changed
         if eng.tiered.get(ino) is e:
             del eng.tiered[ino]
