@@ -442,6 +442,107 @@ def test_s3_store_failing_midstream_then_takeover(tmp_path, mount_store, cleanup
     assert got["ok"] and got["messages"] >= n1 and got["cq_units"] >= n1, (got, n1)
 
 
+def _point_tails(objects: Path, sid: str, tmp: Path) -> dict[str, bytes]:
+    """The active files of the store's newest point (a file:// bucket), each as its append objects make it."""
+    store = open_store(f"file://{objects}")
+    ptr = snap.read_pointer(store, sid)
+    db = tmp / f"point-{ptr.seq}.db"
+    db.write_bytes(store.get(ptr.key))
+    out = {}
+    for row in snap.load_tails(db, sid, ".tierfs", set()):
+        buf = bytearray(row.size)
+        for o in row.objects:
+            buf[o.start:o.end] = store.get(o.key)
+        out[row.path] = bytes(buf)
+    return out
+
+
+def _commitlog_records(base: int, first: int, count: int, at: int = 0) -> bytes:
+    """`count` whole CommitLog records (messages first .. first+count-1) from segment position `at`."""
+    from tierfs.store import commitlog as cl
+
+    out = bytearray()
+    for i in range(first, first + count):
+        out += cl.encode_message(cl.Message(topic="TopicGap", body=b"m%06d" % i * 100,
+                                            physical_offset=base + at + len(out), store_timestamp=1000 + i,
+                                            properties={"KEYS": f"k-{i}"}))
+    return bytes(out)
+
+
+def rounds_done(m: Mount) -> int:
+    rpo = status(m)["rpo"]
+    return rpo["rounds"] + rpo["failed_rounds"]
+
+
+def _one_segment_store(tmp_path: Path, mount_store, sid: str, hold: float) -> tuple[Mount, Path, bytes]:
+    """A mount whose rounds wait `hold` seconds between their flush and their uploads, holding CommitLog segment
+    0 (1 MiB) with 20 records in the newest point: (mount, its file:// bucket, those records)."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    m = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},store.id={sid},tiering.rpo_seconds=1,"
+                                        "lease.ttl_seconds=60"],
+                    env={"TIERFS_FAILPOINTS": f"appendlog.upload=sleep:{hold}"})
+    head = _commitlog_records(0, 0, 20)
+    (m.mnt / "commitlog").mkdir()
+    with open(m.mnt / f"commitlog/{0:020d}", "wb") as f:
+        f.truncate(1 << 20)
+        f.write(head)
+        os.fsync(f.fileno())
+    wait_round_after(m, time.time())
+    assert _point_tails(objects, sid, tmp_path)[f"commitlog/{0:020d}"].rstrip(b"\0") == head
+    return m, objects, head
+
+
+def _held_round(m: Mount) -> int:
+    """Wait until a round is held after its walk and flush (the failpoint); the rounds done so far."""
+    pause = "failpoint appendlog.upload: pausing"
+    waiting = m.log_text().count(pause) + 1
+    wait_for(lambda: m.log_text().count(pause) >= waiting, timeout=60, what="a round held after its flush")
+    return rounds_done(m)
+
+
+def test_a_point_holds_a_prefix_of_the_commitlog(tmp_path, mount_store):
+    """A point names the segments of the CommitLog as one log: never a record of segment N+1 while N's objects
+    stop before its terminal BLANK (a reader, and the broker's recovery, stop at that gap and lose what follows).
+    The failpoint holds a round between its flush and its uploads; meanwhile the broker rolls over: it writes the
+    BLANK into N through its mapping (the page stays dirty in the kernel) and the first record of N+1, which
+    reaches the daemon. Old code (test_s3_store_failing_midstream_then_takeover under load, the consumer after
+    the takeover: "data after the end of the valid commitlog"): the round read N without its BLANK and N+1 with
+    its record, and the point named both, whatever order the walk gave them. Now N+1 waits a round, until N's
+    objects reach its BLANK."""
+    import mmap
+
+    from tierfs.store import commitlog as cl
+
+    m, objects, head = _one_segment_store(tmp_path, mount_store, "gap", 3)
+    size = 1 << 20
+    n0, n1 = f"commitlog/{0:020d}", f"commitlog/{size:020d}"
+    with open(m.mnt / n1, "wb") as f:  # the broker makes the next segment ahead of time
+        f.truncate(size)
+    fd = os.open(m.mnt / n0, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, size, mmap.MAP_SHARED) as mm:
+            inside = _held_round(m)
+            mm[len(head):len(head) + cl.BLANK_SIZE] = cl.encode_blank(size - len(head))  # dirty in the kernel
+            first = _commitlog_records(size, 20, 1)
+            with open(m.mnt / n1, "r+b") as f:
+                f.write(first)
+                os.fsync(f.fileno())  # in the hot file before the round reads it
+            assert rounds_done(m) == inside, "the roll-over did not land inside the held round: lengthen the failpoint"
+            wait_for(lambda: rounds_done(m) > inside, timeout=60, what="the held round")
+            point = _point_tails(objects, "gap", tmp_path)
+            assert point[n0].rstrip(b"\0") == head, "the BLANK's page reached the daemon early: no race to test"
+            assert not point[n1].strip(b"\0"), \
+                f"the point names the first record of {n1} while {n0} ends at {len(head)} without its BLANK"
+            mm.flush()  # the BLANK reaches the daemon: the next round takes both
+        wait_round_after(m, time.time())
+        point = _point_tails(objects, "gap", tmp_path)
+        assert point[n1].rstrip(b"\0") == first, "the next segment never went up once the one before was whole"
+        assert n0 not in point or point[n0].rstrip(b"\0") == head + cl.encode_blank(size - len(head)).rstrip(b"\0")
+    finally:
+        os.close(fd)
+
+
 def _read_pages(p: Path, off: int, size: int) -> bytes:
     """One pread of [off, off+size) by a new reader: its kernel pages dropped first, and no read-ahead (random
     advice), so the daemon is asked for these pages and nothing around them."""

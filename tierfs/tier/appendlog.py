@@ -13,7 +13,9 @@ Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with 
    written (a recovery rewriting a tail), merged when closer than 64 KiB. Non-StopWrite: a failed or timed-out upload is simply forgotten; the next one
    starts again at the last committed offset with the failed ranges (no need to ask how much of the failed one
    landed: every upload has its own key, so a late one can never overwrite what a snapshot names). Objects are
-   applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired;
+   applied in upload order, so a later object wins where two overlap; one wholly rewritten is retired. A
+   CommitLog's segments go in offset order, a later one only once the objects of the one before reach its
+   terminal BLANK: a point holds a prefix of the log, never a gap before records (see _upload_tails);
 3. the upload offsets and objects of every tail go into the catalog (table tail_offsets), so a restarted
    daemon, or the writer a takeover made, resumes from them (`_adopt`) instead of uploading every file again;
 4. the catalog snapshot (tierfs.tier.snapshot) goes last, from the same walk of the hot dir: mutable files
@@ -109,6 +111,7 @@ class Tail:
     slots: int = 0  # an IndexFile uploaded as header + items: its maxHashSlotNum (the reader rebuilds the slots)
     slots_checked: bool = False  # `slots` was checked against items (not only the file size)
     hole: int = -1  # append-only kinds: the hole the last upload stopped at (a page not written back yet)
+    ended: bool = False  # CommitLog: the objects reach its terminal BLANK (the log goes on in the next segment)
 
 
 def coalesce(ranges: list[tuple[int, int]], size: int, gap: int = GAP) -> list[tuple[int, int]]:
@@ -260,6 +263,14 @@ def data_extents(fd: int, size: int, start: int = 0) -> list[tuple[int, int]]:
     return out
 
 
+def ends_in_blank(fd: int, end: int, size: int) -> bool:
+    """Blocking: are the 8 bytes before `end` of a CommitLog segment of `size` bytes its terminal BLANK?"""
+    pos = end - commitlog.BLANK_SIZE
+    head = os.pread(fd, commitlog.BLANK_SIZE, pos) if pos >= 0 else b""
+    return len(head) == commitlog.BLANK_SIZE and int.from_bytes(head[4:], "big", signed=True) == \
+        commitlog.BLANK_MAGIC and int.from_bytes(head[:4], "big", signed=True) == size - pos
+
+
 def data_end(fd: int, start: int, size: int) -> int:
     """End of the last non-zero byte at or after `start` (holes skipped by SEEK_DATA/SEEK_HOLE; a zero-filled
     tail of the last data extent trimmed), or `start` when there is none."""
@@ -329,6 +340,7 @@ class AppendLog:
         t = self.tails.get(ino)
         if t is not None and size < t.committed:
             t.committed = size
+            t.ended = False
 
     # ------------------------------------------------------------------ status
 
@@ -401,7 +413,8 @@ class AppendLog:
                 refs.roll_requested = False
             # everything written before this round started is in the bucket now (a snapshot skipped as unchanged
             # means the previous one already holds it), except in files whose upload failed: the snapshot still
-            # went up, naming their last committed objects, so one failing file never holds the others back
+            # went up, naming their last committed objects, so one failing file never holds the others back (only
+            # the later segments of its CommitLog, which wait for it: see _upload_tails)
             self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0 or ino in failed}
             await trio.to_thread.run_sync(self._collect, limiter=eng.limiter)
             if upload_error is not None:
@@ -585,18 +598,31 @@ class AppendLog:
                             ) -> tuple[int, int, set[int], Exception | None]:
         """Append objects for every segment that is not tiered and has new bytes; retire the tails of files that
         are gone, tiered or replaced. A failed upload leaves its tail as it was (the next round retries).
-        Returns (objects, bytes, inodes whose upload failed, the first error)."""
+
+        One CommitLog is one log across its segments: a point must hold a prefix of it, or the broker's recovery
+        (and any reader) stops at the gap and drops what follows. So its segments go in offset order, and once
+        one's objects stop short of its terminal BLANK (its upload failed, or the page holding the BLANK was not
+        written back when the round read it, while the next segment's pages were) the later segments of that
+        log wait for the next round. Returns (objects, bytes, inodes whose new bytes are not in the bucket: their
+        upload failed or waits, the first error)."""
         live: set[int] = set()
         n_obj = n_bytes = 0
         error: Exception | None = None
         failed: set[int] = set()
-        for rel, st in files:
-            if not classify(rel).is_segment:
+        short: set[str] = set()  # CommitLog dirs with a segment whose objects stop before its BLANK
+        for rel, st in sorted(files, key=lambda f: f[0]):  # CommitLog names: zero-padded offsets
+            kind = classify(rel)
+            if not kind.is_segment:
                 continue  # mutable files go as the snapshot's blobs
             live.add(st.st_ino)
             t = self.tails.get(st.st_ino)
             if t is None or t.rel != rel:
                 t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
+            log_dir = rel.rpartition("/")[0] if kind is Kind.COMMITLOG else None
+            if log_dir in short:
+                if await trio.to_thread.run_sync(self._has_new_bytes, t, limiter=self.eng.limiter):
+                    failed.add(t.ino)  # still owed to the bucket (the RPO lag says so)
+                continue
             dirty, t.dirty = t.dirty, []  # writes during the upload start the next list
             try:
                 done = await trio.to_thread.run_sync(self._upload_one, t, dirty, limiter=self.eng.limiter)
@@ -605,6 +631,8 @@ class AppendLog:
                 self.put_failures += 1
                 failed.add(t.ino)
                 error = error or e
+                if log_dir is not None and not t.ended:
+                    short.add(log_dir)
                 continue
             if done is None:  # deleted since the walk (a broker's retention, all day long): no error, no upload
                 log.debug("%s went before its continuous upload; its tail is retired", rel)
@@ -627,6 +655,8 @@ class AppendLog:
                 n_obj += len(objs)
                 n_bytes += sum(o.length for o in objs)
             t.committed = end
+            if log_dir is not None and not t.ended:
+                short.add(log_dir)
         for ino in [i for i in self.tails if i not in live]:
             self._retire(self.tails.pop(ino))
         return n_obj, n_bytes, failed, error
@@ -663,10 +693,12 @@ class AppendLog:
                     slots = t.slots
                 else:
                     slots, t.slots_checked = indextail.slot_count(fd, size, self.index_geometry)
+            blank_end = -1  # CommitLog: where its terminal BLANK ends, if the whole records reach it
             if kind is Kind.COMMITLOG:
                 # only whole records: a copy must never hold a record whose last pages are still zeros
                 committed, limit = self._complete_end(fd, t, committed, size)
                 ranges = coalesce([(0, limit)] if not t.uploaded else list(dirty) + [(committed, limit)], limit)
+                blank_end = limit if ends_in_blank(fd, limit, size) else -1
             else:
                 if slots is not None:
                     ranges = self._index_ranges(fd, t, slots, committed, size, dirty)
@@ -698,7 +730,21 @@ class AppendLog:
                 objs.append(TailObject(key, off, len(data), crc))
                 self.puts += 1
                 self.put_bytes += len(data)
+            t.ended = 0 <= blank_end <= end
             return objs, end
+        finally:
+            os.close(fd)
+
+    def _has_new_bytes(self, t: Tail) -> bool:
+        """Blocking: does the tail's file hold bytes past its committed offset (any, before its first upload)?
+        False when it is gone or replaced (the next round sees that)."""
+        fd = self._open_tail(t)
+        if fd is None:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            start = min(t.committed, size) if t.uploaded else 0
+            return data_end(fd, start, size) > start
         finally:
             os.close(fd)
 
