@@ -543,6 +543,42 @@ def test_a_point_holds_a_prefix_of_the_commitlog(tmp_path, mount_store):
         os.close(fd)
 
 
+def by_path(m: Mount) -> dict[str, dict]:
+    return {f["path"]: f for f in status(m)["files"]}
+
+
+def test_a_point_names_a_segment_tiered_during_its_round_by_its_objects(tmp_path, mount_store):
+    """A segment sealed, tiered and evicted between a round's walk and its upload: the round read its hot file
+    with the evicted bytes as holes. Old code (test_s3_store_failing_midstream_then_takeover, the writer's log:
+    the round uploaded the first page of a tiered IndexFile, or of a CommitLog segment whose earlier uploads had
+    failed, and the point named that tail instead of the segment's objects): the point named the tail's objects
+    up to where the last good upload stopped, so the records written since were lost to a takeover. Now the
+    round leaves a file that is TIERED by then (and drops what it read from one that became TIERED while it read
+    it), and a point names a TIERED file by its segment objects, whatever its tail holds."""
+    from tierfs.store import commitlog as cl
+
+    m, objects, head = _one_segment_store(tmp_path, mount_store, "punch", 8)
+    size, rel = 1 << 20, f"commitlog/{0:020d}"
+
+    def evicted() -> bool:  # all but the first page (DESIGN §4)
+        if by_path(m).get(rel, {}).get("state") != "tiered":
+            return False
+        assert m.cli("evict", m.mnt).returncode == 0
+        return by_path(m)[rel]["resident_bytes"] <= 4096
+    inside = _held_round(m)
+    rest = _commitlog_records(0, 20, 40, at=len(head))  # past the first page, then the BLANK: sealed
+    with open(m.mnt / rel, "r+b") as f:
+        f.seek(len(head))
+        f.write(rest + cl.encode_blank(size - len(head) - len(rest)))
+        os.fsync(f.fileno())
+    wait_for(evicted, timeout=60, interval=0.3, what=f"{rel} sealed, tiered and evicted")
+    assert rounds_done(m) == inside, "the segment was not tiered inside the held round: lengthen the failpoint"
+    wait_for(lambda: rounds_done(m) > inside, timeout=60, what="the held round")
+    point = _point_tails(objects, "punch", tmp_path)
+    assert rel not in point, (f"the point names {rel} by a tail of {len(point[rel].rstrip(bytes(1)))} bytes, not "
+                              f"by the objects of the tiered segment ({len(head) + len(rest)} bytes of records)")
+
+
 def _read_pages(p: Path, off: int, size: int) -> bytes:
     """One pread of [off, off+size) by a new reader: its kernel pages dropped first, and no read-ahead (random
     advice), so the daemon is asked for these pages and nothing around them."""
@@ -897,7 +933,7 @@ def test_index_tail_uploads_header_and_items_only(tmp_path):
     slots, items = 50_000, 200_000  # a 200 KB slot table: far apart from the header, as the broker's 20 MB one
     rel = "index/20261125210000000"
     buf = _index_file(hot / rel, slots, items, 1000)
-    eng = types.SimpleNamespace(store=open_store(f"file://{objects}"), store_id="ix", hot=hot, entries={},
+    eng = types.SimpleNamespace(store=open_store(f"file://{objects}"), store_id="ix", hot=hot, entries={}, by_ino={},
                                 config={"tiering.rpo_seconds": 5, "delete.grace_seconds": 0,
                                         "broker.max_hash_slot_num": 5_000_000, "broker.max_index_num": 20_000_000},
                                 limiter=None, fence=lambda key: None, lease=None, snapshotter=None, chunk=16 << 20)

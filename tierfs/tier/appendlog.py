@@ -614,6 +614,9 @@ class AppendLog:
             kind = classify(rel)
             if not kind.is_segment:
                 continue  # mutable files go as the snapshot's blobs
+            gen = self._generation(rel, st.st_ino)
+            if gen is None:  # tiered since the walk: the point names its segment objects (its tail goes)
+                continue
             live.add(st.st_ino)
             t = self.tails.get(st.st_ino)
             if t is None or t.rel != rel:
@@ -639,6 +642,15 @@ class AppendLog:
                 live.discard(st.st_ino)
                 continue
             objs, end = done
+            now = self._generation(rel, st.st_ino)
+            if now is None or 0 <= gen != now:  # tiered (or re-materialised) while read: it may have read holes
+                for o in objs:
+                    self.retired[o.key] = time.time()
+                live.discard(st.st_ino)  # its tail goes; a file still active starts a new one next round
+                failed.add(t.ino)
+                if log_dir is not None:
+                    short.add(log_dir)
+                continue
             if self.tails.get(t.ino) is not t:  # its file went for good meanwhile (inode_freed)
                 for o in objs:
                     self.retired[o.key] = time.time()
@@ -660,6 +672,15 @@ class AppendLog:
         for ino in [i for i in self.tails if i not in live]:
             self._retire(self.tails.pop(ino))
         return n_obj, n_bytes, failed, error
+
+    def _generation(self, rel: str, ino: int) -> int | None:
+        """The generation of the file at `rel` (-1: no catalog row yet), None when it is TIERED. On the trio
+        thread. Its hot file is punched only once it is TIERED (an eviction), so an upload that read it while
+        this stayed the same read its real bytes; one that saw it change may have read holes as zeros."""
+        e = self.eng.by_ino.get(ino) or self.eng.entries.get(rel)
+        if e is None:
+            return -1
+        return None if e.state is State.TIERED else e.generation
 
     def objects_of(self, ino: int, rel: str) -> tuple[TailObject, ...]:
         """The committed append objects of a file (by hot-dir inode and path), in upload order; () if none."""

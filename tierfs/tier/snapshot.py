@@ -350,11 +350,12 @@ class Snapshotter:
             frozen = dict(alog.checkpoints) if tails else {}
             for rel in stats:
                 e = self._entry_at(rel, stats[rel])
-                if rel in tails:
-                    continue
                 if e is not None and e.state is State.TIERED:
+                    # its segment objects hold all of it; a tail may still name less (its last uploads failed,
+                    # or the round read it punched by an eviction after the walk)
                     tiered[rel] = _copy(e, rel)
-                else:
+                    tails.pop(rel, None)
+                elif rel not in tails:
                     todo[rel] = e.generation if e is not None else 0
             # held from this loop turn on: a delete decided later waits for this snapshot (issue 27)
             flight.name([k for e in tiered.values() for k in e.all_objects()]
