@@ -224,7 +224,7 @@ class Engine:
                 lost.append(e)
         if lost:  # renamed behind the catalog's back: one walk of the hot dir, by inode number
             inos = {e.ino for e in lost if e.ino}
-            paths = self.paths_of(inos) if inos else {}
+            paths = identity.paths_of(self.hot, self.state_dir, inos) if inos else {}
             still: list[Entry] = []
             for e in lost:
                 hit = next((h for p in paths.get(e.ino, ()) if (h := self._identify(e, p, trusted)) is not None),
@@ -303,10 +303,6 @@ class Engine:
         if not e.ino and stamp is None:
             return path, st, stamp
         return (path, st, stamp) if identity.matches(st.st_ino, stamp, e.ino, e.file_id, trusted) else None
-
-    def paths_of(self, inos: set[int]) -> dict[int, list[str]]:
-        """Blocking: every path of the hot dir (but the state dir) whose inode number is in `inos`."""
-        return identity.paths_of(self.hot, self.state_dir, inos)
 
     @staticmethod
     def _changed_while_unmounted(e: Entry, st: os.stat_result) -> str:

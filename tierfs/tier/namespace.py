@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs import failpoints
+from tierfs.tier import identity
 from tierfs.tier.catalog import NEVER, Entry, State
 
 if TYPE_CHECKING:
@@ -132,23 +133,23 @@ class Namespace:
         """After the commit: files that lost their last name are dropped, or kept as orphans while open."""
         eng = self.eng
         grace = float(eng.config["delete.grace_seconds"])
-        for (_, rel, keys, not_before), e in removes:
+        for (_, rel, _, not_before), e in removes:
             if e is None:
                 continue
             if not_before >= NEVER:
                 eng.orphans[e.ino] = e
                 log.info("%s deleted while open: served through its open fds; %d objects go %.0f s after the "
-                         "last close", rel, len(keys), grace)
+                         "last close", rel, len(e.objects), grace)
                 continue
             eng.drop(e)
-            log.info("%s deleted: %d objects deleted after %.0f s", rel, len(keys), grace)
+            log.info("%s deleted: %d objects deleted after %.0f s", rel, len(e.objects), grace)
 
     async def _rename_row(self, e: Entry, rel: str, other: str | None) -> None:
         """`e`'s row named `rel`, which another of its hard links' names replaces (found by a walk when the FUSE
         front knows none). Nothing to do if the file lost every name meanwhile."""
         eng = self.eng
         if other is None:
-            paths = await trio.to_thread.run_sync(eng.paths_of, {e.ino})
+            paths = await trio.to_thread.run_sync(identity.paths_of, eng.hot, eng.state_dir, {e.ino})
             other = min(paths.get(e.ino, ()), default=None)
         if not eng.is_live(e) or e.path != rel:
             return  # renamed, unlinked or replaced while we looked: that change moved the row
