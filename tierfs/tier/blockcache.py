@@ -952,8 +952,7 @@ class BlockCache:
             fd = self.eng.fd(e)
             for b, view, _ in todo:
                 os.pwrite(fd, view, b * e.block_bytes)
-                e.set_resident(b, True)
-                self.eng.cache_bytes += len(view)
+                self.eng.set_resident(e, b, True)
             self.eng.evictor.residency_changed(e)
         elif todo and self._keep_locally(nbytes, scan):
             self.installing.update((fid, gen, b) for b, _, _ in todo)
@@ -1016,10 +1015,8 @@ class BlockCache:
             self._install_end(fid)
         if not ok or not self._same(e, gen):
             return
-        for b, view, _ in todo:
-            if not e.is_resident(b):
-                e.set_resident(b, True)
-                eng.cache_bytes += len(view)
+        for b, _, _ in todo:
+            eng.set_resident(e, b, True)
         eng.stats.install_bytes += nbytes
         eng.evictor.residency_changed(e)
 
@@ -1047,8 +1044,7 @@ class BlockCache:
             if mv is None or e.is_resident(b):
                 continue
             os.pwrite(fd, mv, b * e.block_bytes)
-            e.set_resident(b, True)
-            eng.cache_bytes += len(mv)
+            eng.set_resident(e, b, True)
         eng.evictor.residency_changed(e)
 
     # ------------------------------------------------------------------ writes into tiered segments
@@ -1113,7 +1109,6 @@ class BlockCache:
         await failpoints.pause("tier.rematerialise_synced")  # tests: the evictor runs while this waits
         grace = float(eng.config["delete.grace_seconds"])
         if eng.orphans.get(ino) is e:  # unlinked while open: no row to rewrite, the objects may simply go
-            del eng.orphans[ino]
             eng.drop(e)
             await eng.db(eng.catalog.schedule_deletes, e.all_objects(), time.time() + grace)
             return
@@ -1126,10 +1121,7 @@ class BlockCache:
         failpoints.hit("tier.rewritten")
         await failpoints.pause("tier.rewrite_committed")  # tests: the row is HOT, memory still says TIERED
         # committed: from here the hot file is the only copy, so the entry leaves `tiered` whatever else changed
-        if eng.tiered.get(ino) is e:
-            del eng.tiered[ino]
-            eng.cache_bytes -= e.resident_bytes()
-        eng.become(e, row)
+        eng.apply(e, row)
         eng.evictor.forget(e.file_id)
         self.pool.discard_file(e.file_id)
         for k in old_keys:

@@ -355,8 +355,8 @@ class Compactor:
             return "skipped"  # written (HOT again) while the swap waited: its compacted object goes
         eng.cache.footers[row["key"]] = footer
         if eng.is_live(e) and e.state is State.TIERED and e.generation == row["generation"]:
-            e.format, e.objects, e.chunk_bytes = swapped.format, swapped.objects, swapped.chunk_bytes
-            e.unit_bytes, e.unit_crcs, e.unit_ref = 0, b"", ""
+            eng.apply(e, e.copy(format=swapped.format, objects=swapped.objects, chunk_bytes=swapped.chunk_bytes,
+                                unit_bytes=0, unit_crcs=b"", unit_ref=""))
             eng.evictor.residency_changed(e)
         return None
 

@@ -10,8 +10,10 @@ file by, whatever name it was opened by), `entries` (by current name: a derived 
 Every name change goes through tierfs.tier.namespace.
 
 Every state change is one catalog transaction on a detached copy of
-the row (`Entry.copy`), applied to the live entry (`become`) only after the commit, and re-checked after every
-await: a file may have been written, renamed or unlinked meanwhile.
+the row (`Entry.copy`), applied to the live entry and the indexes by the engine's state-change methods (`apply`,
+`set_resident`, `add`/`stage`/`rename`/`unname`/`orphan`/`drop`) only after the commit, and re-checked after every
+await: a file may have been written, renamed or unlinked meanwhile. The parts never assign an index, the cache
+budget or a committed field of a live entry themselves (readers keep only `pins` and `last_access`).
 
 The parts, each in its own module, all working on this state:
   sealer.Sealer          finds finished segments and seals them
@@ -262,8 +264,7 @@ class Engine:
             elif e.state is State.TIERED:
                 if len(e.resident) != (e.nblocks + 7) // 8:
                     e.resident = bytearray((e.nblocks + 7) // 8)
-                self.tiered[st.st_ino] = e
-                self.cache_bytes += e.resident_bytes()
+                self._serve(e)
         for e in lost:
             if self.read_only:  # the objects belong to the writer; never queue their deletion from here
                 log.error("read-only cache: %s is missing from the local tree; not served", e.path)
@@ -300,9 +301,9 @@ class Engine:
         stamp = identity.read(str(self.hot / path))
         if not trusted:  # a catalog from before stamps (or one a takeover built): stamps here are not its own
             return (path, st, stamp) if (st.st_ino == e.ino if e.ino else True) else None
-        if not e.ino and stamp is None:
+        if not e.ino and stamp is None:  # built from a snapshot and its stamp failed (no xattrs): by its path
             return path, st, stamp
-        return (path, st, stamp) if identity.matches(st.st_ino, stamp, e.ino, e.file_id, trusted) else None
+        return (path, st, stamp) if identity.matches(st.st_ino, stamp, e.ino, e.file_id) else None
 
     @staticmethod
     def _changed_while_unmounted(e: Entry, st: os.stat_result) -> str:
@@ -316,12 +317,74 @@ class Engine:
             return "written since it was sealed"
         return ""
 
+    # ------------------------------------------------------------------ the one state-change path
+    # Every change of a live entry and of the indexes goes through these methods, after its commit (or, for
+    # residency, after the bytes are in the hot file): the parts never assign them, so the indexes, the cache
+    # budget and the entries cannot disagree.
+
     def add(self, e: Entry) -> None:
         """Index a live entry (committed already) by its id, its hot inode and its current name."""
         self.files[e.file_id] = e
         if e.ino:
             self.by_ino[e.ino] = e
         self.entries[e.path] = e
+
+    def stage(self, e: Entry) -> None:
+        """Index a committed TIERED entry by id and inode but by no name yet: its hot file is staged and nobody
+        reaches it before the rename that names it (`add` then)."""
+        self.files[e.file_id] = e
+        self.by_ino[e.ino] = e
+        self._serve(e)
+
+    def apply(self, e: Entry, row: Entry, serve: bool = False) -> None:
+        """A committed row reaches the live entry `e`. Leaving TIERED, `e` leaves the tiered index and the cache
+        budget; TIERED to TIERED (a compaction swap), its residency stays the memory's (the hot file's bytes are
+        unchanged; the row's bits are only what is durable); `serve`: the row is TIERED and the hot file matches it,
+        so reads go through the tiered path from now on."""
+        served = self.tiered.get(e.ino) is e
+        if served and row.state is not State.TIERED:
+            del self.tiered[e.ino]
+            self.cache_bytes -= e.resident_bytes()
+            served = False
+        resident = e.resident
+        self._become(e, row)
+        if served:
+            e.resident = resident
+        elif serve and row.state is State.TIERED and self.is_live(e):
+            self._serve(e)
+
+    def _serve(self, e: Entry) -> None:
+        self.tiered[e.ino] = e
+        self.cache_bytes += e.resident_bytes()
+
+    def set_resident(self, e: Entry, block: int, yes: bool) -> int:
+        """Block `block` of tiered `e` is now in its hot file (its bytes written) or not (about to be punched):
+        the bit and the cache budget together. Returns the bytes it changed the budget by."""
+        if e.is_resident(block) == yes:
+            return 0
+        e.set_resident(block, yes)
+        delta = e.block_len(block) if yes else -e.block_len(block)
+        if self.tiered.get(e.ino) is e:
+            self.cache_bytes += delta
+        return delta
+
+    def rename(self, moves: list[tuple[Entry, str]]) -> None:
+        """Entries take new names (already in the hot dir), all at once: an exchange swaps two."""
+        for e, _ in moves:
+            if self.entries.get(e.path) is e:
+                del self.entries[e.path]
+        for e, path in moves:
+            e.path = path
+            self.entries[path] = e
+
+    def unname(self, e: Entry, rel: str) -> None:
+        """`rel` is no longer `e`'s name (unlinked, or given to another file)."""
+        if self.entries.get(rel) is e:
+            del self.entries[rel]
+
+    def orphan(self, e: Entry) -> None:
+        """`e` lost its last name while open: served through its open fds until the last close."""
+        self.orphans[e.ino] = e
 
     def is_live(self, e: Entry) -> bool:
         """Is `e` still the engine's entry for its file (not unlinked and closed, not replaced)?"""
@@ -456,7 +519,7 @@ class Engine:
         """A following mount removed `e`'s name or gave it to a newer file while `e` is open: served through its
         open fds until the last close (its row is already gone or replaced)."""
         self.hold(e, held_fd)
-        self.orphans[e.ino] = e
+        self.orphan(e)
 
     async def on_released(self, ino: int) -> None:
         """The last open fd of an inode closed and it has no name: an orphan's objects now go after the grace."""
@@ -478,6 +541,8 @@ class Engine:
             del self.by_ino[e.ino]
         if self.entries.get(e.path) is e:
             del self.entries[e.path]
+        if self.orphans.get(e.ino) is e:
+            del self.orphans[e.ino]
         if self.tiered.get(e.ino) is e:
             del self.tiered[e.ino]
             self.cache_bytes -= e.resident_bytes()
@@ -503,7 +568,7 @@ class Engine:
                       resident=bytearray(), format="raw", chunk_bytes=self.chunk, state_since=time.time())
 
     @staticmethod
-    def become(e: Entry, row: Entry) -> None:
+    def _become(e: Entry, row: Entry) -> None:
         """Apply a committed row to the live entry (same identity object: indexes need no update)."""
         for f in dataclasses.fields(row):
             if f.name not in ("path", "pins"):  # the path belongs to renames, pins to readers

@@ -126,9 +126,7 @@ class Evictor:
             # Memory drops the bits first (a reader meanwhile re-fetches; a block fetched again is not punched).
             for e, _, blocks in picked:
                 for b in blocks:
-                    if e.is_resident(b):
-                        e.set_resident(b, False)
-                        eng.cache_bytes -= e.block_len(b)
+                    eng.set_resident(e, b, False)
             rows = [e.copy() for e, _, _ in picked]
             await eng.db(self._save_victims, rows)
             failpoints.hit("tier.evict")

@@ -216,9 +216,7 @@ class Follower:
                                       state_since=time.time(), file_id=first, ino=ino)
             # replaces the path's old row, if any, in the same transaction
             await eng.db(eng.catalog.put_many, [row], [], 0.0, (), (cur.file_id,) if cur is not None else ())
-            eng.files[row.file_id] = row
-            eng.by_ino[row.ino] = row
-            eng.tiered[row.ino] = row  # the staged inode: nobody reaches it before the swap
+            eng.stage(row)  # the staged inode: nobody reaches it before the swap
             await self._swap(e.path, tmp, row)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -243,8 +241,8 @@ class Follower:
             raise
         if new is not None:
             eng.add(new)
-        elif eng.entries.get(rel) is old:
-            eng.entries.pop(rel, None)
+        elif old is not None:
+            eng.unname(old, rel)
         self._name_gone(rel, old, old_st)
 
     async def _remove(self, rel: str) -> None:
@@ -256,8 +254,8 @@ class Follower:
             await eng.db(eng.catalog.remove, old, [], 0.0)  # a reader never deletes objects: no keys queued
         assert self.remove_name is not None
         old_st = await trio.to_thread.run_sync(self.remove_name, rel)
-        if eng.entries.get(rel) is old:
-            eng.entries.pop(rel, None)
+        if old is not None:
+            eng.unname(old, rel)
         self.local.discard(rel)
         self.applied.pop(rel, None)
         self._name_gone(rel, old, old_st)

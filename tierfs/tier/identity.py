@@ -85,14 +85,13 @@ def stamp_all(paths: Iterable[tuple[str | os.PathLike, int, int]]) -> list[tuple
     return failed
 
 
-def matches(st_ino: int, stamped: int | None, row_ino: int, file_id: int, stamps_trusted: bool) -> bool:
-    """Is the hot inode (st_ino, with `stamped` read from it) the file of a row (row_ino, file_id)? The stamp
-    decides where there is one. An unstamped inode is the row's only by its inode number, and only where stamps
-    cannot be trusted to exist: rows of a catalog written before stamps (the first mount after an upgrade stamps
-    them all), or a hot dir without xattrs."""
+def matches(st_ino: int, stamped: int | None, row_ino: int, file_id: int) -> bool:
+    """Is the hot inode (st_ino, with `stamped` read from it) the file of a row (row_ino, file_id) of a catalog
+    whose files are all stamped? The stamp decides; an unstamped inode is the row's only by its inode number,
+    and only on a hot dir without xattrs (where no stamp can exist)."""
     if stamped is not None:
         return stamped == file_id
-    return (not stamps_trusted or _warned) and bool(row_ino) and st_ino == row_ino
+    return _warned and bool(row_ino) and st_ino == row_ino
 
 
 def paths_of(hot: Path, state_dir: Path, inos: set[int]) -> dict[int, list[str]]:

@@ -94,13 +94,10 @@ class Namespace:
                     stay = gone if gone.path == new else None
                 else:
                     removes.append(self._lose(gone, new, r_held))
-        for p, e in todo:  # names first, on the loop with no await: the hot dir has them already
-            if eng.entries.get(p) is e:
-                del eng.entries[p]
+        # names first, with no await: the hot dir has them already
+        eng.rename([(e, moved(p)) for p, e in todo])  # type: ignore[misc]
         moves: list[tuple[int, str]] = []
-        for p, e in todo:
-            e.path = moved(p)  # type: ignore[assignment]
-            eng.entries[e.path] = e
+        for _, e in todo:
             if storable(e.path):  # a name that is not UTF-8 stays in memory; the next mount finds the file again
                 moves.append((e.file_id, e.path))
         eng.sealer.renamed(old, new, is_dir or exchange)
@@ -124,8 +121,7 @@ class Namespace:
         keep = e.state is State.TIERED and held_fd is not None and eng.tiered.get(e.ino) is e
         if keep:
             eng.hold(e, held_fd)  # type: ignore[arg-type]
-        if eng.entries.get(rel) is e:
-            del eng.entries[rel]
+        eng.unname(e, rel)
         grace = float(eng.config["delete.grace_seconds"])
         return (e.file_id, e.path, e.all_objects(), NEVER if keep else time.time() + grace), e
 
@@ -137,7 +133,7 @@ class Namespace:
             if e is None:
                 continue
             if not_before >= NEVER:
-                eng.orphans[e.ino] = e
+                eng.orphan(e)
                 log.info("%s deleted while open: served through its open fds; %d objects go %.0f s after the "
                          "last close", rel, len(e.objects), grace)
                 continue
@@ -157,8 +153,5 @@ class Namespace:
             log.warning("%s: a hard link of file id %d went and no other name the catalog can hold was found (%r); "
                         "the next mount finds the file by its identity", rel, e.file_id, other)
             return
-        if eng.entries.get(rel) is e:
-            del eng.entries[rel]
-        e.path = other
-        eng.entries[other] = e
+        eng.rename([(e, other)])
         await eng.db(eng.catalog.apply_namespace, [(e.file_id, other)], [], [(rel, other)])

@@ -256,20 +256,19 @@ class Uploader:
         failpoints.hit("tier.after_commit")
         for e, row in zip(voided, void_rows):
             if eng.is_live(e):
-                eng.become(e, row)
+                eng.apply(e, row)
         late: list[Entry] = []
         gone: list[Entry] = []
         for ((e, ino, seq), _), row in zip(done, rows):
             if not eng.is_live(e):
                 gone.append(row)  # unlinked while the commit ran: its row and the objects it names go
                 continue
-            eng.become(e, row)
-            if eng.write_seq.get(ino, 0) != seq:
-                late.append(e)  # written while the commit ran: the objects hold the old content
+            written = eng.write_seq.get(ino, 0) != seq  # while the commit ran: the objects hold the old content
+            eng.apply(e, row, serve=not written)
+            if written:
+                late.append(e)
                 continue
-            eng.tiered[ino] = e
             self._sealed_at_seq.pop(e.file_id, None)  # a later seal (after a rewrite) records its own
-            eng.cache_bytes += e.resident_bytes()
             eng.stats.uploads += 1
             eng.stats.upload_bytes += e.size
             eng.observe("upload", time.monotonic() - t0, e.size)
@@ -299,7 +298,7 @@ class Uploader:
         await eng.db(eng.catalog.put_many, rows, keys, time.time())
         for e, row in zip(late, rows):
             if eng.is_live(e) and eng.tiered.get(e.ino) is not e:
-                eng.become(e, row)
+                eng.apply(e, row)
 
     def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None
                         ) -> tuple[int, list[int], list[str], tuple[int, bytes, str]]:
