@@ -168,6 +168,8 @@ class References:
             else:
                 named = self._snapshot_named(keys)
                 free = [k for k in keys if k not in self._deleting and k not in named]
+            if len(free) < len(keys):
+                self.roll_requested = True
             self._deleting.update(free)
         try:
             yield free
