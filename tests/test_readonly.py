@@ -357,11 +357,13 @@ def test_in_flight_snapshot_keeps_its_objects(mount_store, ro_mount, reference_s
     assert got == data and not gone, gone
 
 
-def test_references_hold_what_snapshots_name():
+def test_references_hold_what_snapshots_name(tmp_path):
     """The reference authority's in-memory part: nothing goes before the kept snapshots are known; an in-flight
     snapshot holds what it named until it is published (then until pruned) or ends; a snapshot cannot name what
     a delete has taken."""
-    refs = References()
+    from tierfs.tier.catalog import Catalog
+
+    refs = References(Catalog(tmp_path / "catalog.db"), snapshots=True)
     with refs.may_delete(["a"]) as free:
         assert free == [] and refs.roll_requested
     refs.keep([1], lambda seq: {"a"})

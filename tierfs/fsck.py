@@ -167,6 +167,8 @@ def load_snapshot(state: Path) -> Snapshot:
         rows = {e.path: e for e in (Catalog._entry(r) for r in db.execute(f"SELECT {','.join(_COLS)} FROM files"))}
         pending = {r[0] for r in db.execute("SELECT key FROM pending_deletes")}
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "object_refs" in tables:  # held by a referrer (tierfs.tier.references): never an orphan
+            pending.update(r[0] for r in db.execute("SELECT key FROM object_refs"))
         artifact_keys: set[str] = set()
         if "artifacts" in tables:
             for (keys,) in db.execute("SELECT keys FROM artifacts"):

@@ -24,9 +24,12 @@ Every round (each `tiering.rpo_seconds`, in the daemon of a writable mount with 
    sees a complete point.
 
 A segment that becomes TIERED no longer needs its append objects: sealing composes its chunks from them inside
-the store where it can (tierfs.tier.sealcopy), then they are retired and deleted once no kept snapshot names them
-and `delete.grace_seconds` passed. Append objects of an earlier daemon (a crash, or the writer a takeover
-replaced) that no resumed tail names are retired the same way.
+the store where it can (tierfs.tier.sealcopy), then they are retired: queued for deletion in the catalog at the end
+of the round (durable: a restart never forgets them), and deleted by the janitor once `delete.grace_seconds`
+passed and the reference authority (tierfs.tier.references) says nothing names them (an active tail, a kept or
+in-flight snapshot). Append objects of an earlier daemon that no resumed tail names (uploaded in the moments
+before a crash, or by the writer a takeover replaced, after its last point) are found by one listing at the
+first round and queued the same way.
 
 The achieved RPO per kind is the age of the oldest write the bucket does not hold yet (0 when it holds all):
 `tierfs status` and the metric `tierfs_rpo_lag_seconds{kind=...}` show it.
@@ -297,7 +300,7 @@ class AppendLog:
         self.incarnation = f"{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.tails: dict[int, Tail] = {}  # by hot-dir st_ino
         self.pending: dict[int, tuple[str, float]] = {}  # ino -> (kind, first write the bucket lacks)
-        self.retired: dict[str, float] = {}  # append objects no longer needed -> since when
+        self.retired: dict[str, float] = {}  # append objects no longer needed -> since when, until queued
         self._fileno = 0
         self._upload_no = 0
         self._listed_old = False
@@ -416,7 +419,7 @@ class AppendLog:
             # went up, naming their last committed objects, so one failing file never holds the others back (only
             # the later segments of its CommitLog, which wait for it: see _upload_tails)
             self.pending = {ino: v for ino, v in self.pending.items() if v[1] >= t0 or ino in failed}
-            await trio.to_thread.run_sync(self._collect, limiter=eng.limiter)
+            await self._queue_retired()
             if upload_error is not None:
                 raise upload_error
         except Exception as e:  # noqa: BLE001 - never let a round take the daemon (or its unmount) down
@@ -851,28 +854,36 @@ class AppendLog:
                                  st.st_gid, objs, t.slots)  # type: ignore[arg-type]
         return out
 
-    def _collect(self) -> None:
-        """Blocking: delete retired append objects (and those of earlier daemons) once no kept snapshot names
-        them and the grace period passed."""
-        now = time.time()
+    async def _queue_retired(self) -> None:
+        """Queue the retired append objects (and, at the first round, those of earlier daemons no resumed tail
+        names) for deletion after their grace, in the catalog: the janitor deletes them once nothing refers to
+        them."""
+        eng = self.eng
         if not self._listed_old:
             mine = f"{tail_prefix(self.sid)}{self.incarnation}/"
-            named = {o.key for t in list(self.tails.values()) for o in t.objects}  # adopted ones stay
-            for info in self.store.list(tail_prefix(self.sid)):
+            listed = await trio.to_thread.run_sync(self.store.list, tail_prefix(self.sid), limiter=eng.limiter)
+            named = {o.key for t in self.tails.values() for o in t.objects}  # adopted ones stay
+            now = time.time()
+            for info in listed:
                 if not info.key.startswith(mine) and info.key not in named:
                     self.retired.setdefault(info.key, now)
             self._listed_old = True
-        grace = float(self.eng.config["delete.grace_seconds"])
-        due = [k for k, since in self.retired.items() if now - since >= grace]
-        if not due or self.eng.snapshotter is None:
+        if not self.retired:
             return
-        with self.eng.snapshotter.references.may_delete(due) as free:  # held until the delete is done
-            if not free:
-                return
-            if self.eng.lease is not None:
-                self.eng.lease.verify()
-            self.store.delete_many(free)
-        for k in free:
-            self.retired.pop(k, None)
-        self.deleted += len(free)
-        log.info("deleted %d append objects no kept snapshot names", len(free))
+        grace = float(eng.config["delete.grace_seconds"])
+        by_time: dict[float, list[str]] = {}
+        retired, self.retired = self.retired, {}
+        for k, since in retired.items():
+            by_time.setdefault(since + grace, []).append(k)
+        try:
+            for not_before, keys in by_time.items():
+                await eng.db(eng.catalog.queue_deletes, keys, not_before)
+        except BaseException:
+            for k, since in retired.items():  # not all queued: the next round tries again
+                self.retired.setdefault(k, since)
+            raise
+
+    def note_deleted(self, keys: list[str]) -> None:
+        """The janitor deleted `keys`: count ours (status and metrics)."""
+        pre = tail_prefix(self.sid)
+        self.deleted += sum(k.startswith(pre) for k in keys)

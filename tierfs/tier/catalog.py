@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from tierfs.tier import units
 
@@ -132,12 +133,21 @@ CREATE TABLE IF NOT EXISTS files (
     unit_crcs BLOB NOT NULL DEFAULT x'',
     unit_ref TEXT NOT NULL DEFAULT ''
 )"""
-_FILES_INDEX = "CREATE INDEX IF NOT EXISTS files_path ON files (path)"
+# by path (display, renames), and by generation: the reference authority finds a row naming a segment key by the
+# generation every such key carries
+_FILES_INDEX = ("CREATE INDEX IF NOT EXISTS files_path ON files (path);"
+                "CREATE INDEX IF NOT EXISTS files_generation ON files (generation)")
 _SCHEMA = _FILES_TABLE + """;
 CREATE TABLE IF NOT EXISTS pending_deletes (
     key TEXT PRIMARY KEY,
     not_before REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS object_refs (
+    key TEXT NOT NULL,
+    holder TEXT NOT NULL,
+    PRIMARY KEY (key, holder)
+);
+CREATE INDEX IF NOT EXISTS object_refs_holder ON object_refs (holder);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS artifacts (
     path TEXT NOT NULL,
@@ -178,9 +188,10 @@ _COLS = ("path", "kind", "size", "mtime_ns", "state", "generation", "format", "c
 _UPSERT = (f"INSERT INTO files ({','.join(_COLS)}) VALUES ({','.join('?' * len(_COLS))}) ON CONFLICT(file_id) DO "
            f"UPDATE SET {', '.join(f'{c}=excluded.{c}' for c in _COLS if c not in ('path', 'file_id'))}")
 _KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generation in a segment/sidecar key
-# Deletes queued for an unlinked file that a process still holds open: due only once it is closed.
+# The not-before a namespace change gives the objects of an unlinked file that a process still holds open: they
+# are queued, and held by a `held:<file id>` reference until its last close (schedule_deletes) or the next mount.
 NEVER = 1e18
-
+HELD = "held:"  # object_refs holder of an unlinked file still open, followed by its file id
 
 class Catalog:
     def __init__(self, path: Path):
@@ -191,7 +202,7 @@ class Catalog:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._migrate()
-        self._db.execute(_FILES_INDEX)
+        self._db.executescript(_FILES_INDEX)
 
     def _migrate(self) -> None:
         """Bring a catalog of an earlier version up to this one, in one transaction: rows get file ids (a
@@ -234,7 +245,8 @@ class Catalog:
                 db.execute(_FILES_TABLE)
                 db.execute(f"INSERT INTO files ({cols}) SELECT {cols} FROM files_by_path")
                 db.execute("DROP TABLE files_by_path")
-                db.execute(_FILES_INDEX)
+                for stmt in _FILES_INDEX.split(";"):
+                    db.execute(stmt)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt),))
 
     def allocate(self, n: int = 1) -> int:
@@ -329,7 +341,11 @@ class Catalog:
     def _remove_locked(self, db: sqlite3.Connection, file_id: int, path: str, delete_keys: list[str],
                        not_before: float, artifacts: tuple[str, ...]) -> None:
         db.execute("DELETE FROM files WHERE file_id=?", (file_id,))
-        self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(path, artifacts), not_before)
+        keys = list(delete_keys) + self._drop_artifacts_locked(path, artifacts)
+        if not_before >= NEVER:  # still open: queued, and held until its last close
+            db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", [(k, f"{HELD}{file_id}") for k in keys])
+            not_before = 0.0
+        self._queue_locked(keys, not_before)
 
     def replace(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
         """Rewrite a row (e.g. TIERED -> HOT at a new generation) and queue the objects it no longer uses and
@@ -366,17 +382,20 @@ class Catalog:
         return [k for r in rows for k in json.loads(r[0])]
 
     def schedule_deletes(self, keys: list[str], not_before: float) -> None:
-        """Set when already queued deletes fall due (an unlinked file's objects, once its last holder closed)."""
-        with self._lock:
-            self._db.executemany("UPDATE pending_deletes SET not_before=? WHERE key=?",
-                                 [(not_before, k) for k in keys])
+        """An unlinked file's last holder closed: its objects are no longer held, and go after `not_before`."""
+        with self._transaction() as db:
+            db.executemany(f"DELETE FROM object_refs WHERE key=? AND holder LIKE '{HELD}%'", [(k,) for k in keys])
+            db.executemany("UPDATE pending_deletes SET not_before=? WHERE key=?", [(not_before, k) for k in keys])
 
     def release_held_deletes(self, not_before: float) -> int:
-        """At mount: deletes held for open files of an earlier daemon fall due (no process holds them now)."""
-        with self._lock:
-            return self._db.execute("UPDATE pending_deletes SET not_before=? WHERE not_before>=?",
-                                    (not_before, NEVER)).rowcount
-
+        """At mount: objects held for open files of an earlier daemon go after `not_before` (no process holds
+        those files now). Also the deletes an earlier version held with a NEVER not-before."""
+        with self._transaction() as db:
+            held = f"SELECT key FROM object_refs WHERE holder LIKE '{HELD}%'"
+            n = db.execute(f"UPDATE pending_deletes SET not_before=? WHERE key IN ({held}) OR not_before>=?",
+                           (not_before, NEVER)).rowcount
+            db.execute(f"DELETE FROM object_refs WHERE holder LIKE '{HELD}%'")
+            return n
     def swap(self, e: Entry, delete_keys: list[str], not_before: float) -> bool:
         """Give a TIERED raw row its compacted objects (raw -> lz4c) and queue the raw ones for deletion,
         atomically, only if the row is still that generation, TIERED and raw: a write that made the file HOT again
@@ -431,17 +450,71 @@ class Catalog:
             self._queue_locked(keys, not_before)
         return keys
 
-    # -- deferred deletes
+    # -- deferred deletes and the references that hold them (tierfs.tier.references asks here)
 
     def queue_deletes(self, keys: list[str], not_before: float) -> None:
-        with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)",
-                                 [(k, not_before) for k in keys])
+        with self._transaction():
+            self._queue_locked(keys, not_before)
 
-    def due_deletes(self, now: float, limit: int = 1000) -> list[str]:
+    def hold_refs(self, holder: str, keys: list[str]) -> None:
+        """`holder` refers to `keys` (durably, before it writes or uses them): no delete takes them meanwhile."""
+        with self._transaction() as db:
+            db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", [(k, holder) for k in keys])
+
+    def release_refs(self, holder: str, not_before: float) -> int:
+        """`holder` is done with its objects: each is queued for deletion after `not_before`, in the same
+        transaction, and goes once nothing else refers to it (a row that took one over keeps it)."""
+        with self._transaction() as db:
+            keys = [r[0] for r in db.execute("SELECT key FROM object_refs WHERE holder=?", (holder,))]
+            db.execute("DELETE FROM object_refs WHERE holder=?", (holder,))
+            db.executemany("INSERT OR IGNORE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
+        return len(keys)
+
+    def holders(self, prefix: str) -> list[str]:
+        """Every holder whose name starts with `prefix` (e.g. the compaction jobs that registered outputs)."""
         with self._lock:
             return [r[0] for r in self._db.execute(
-                "SELECT key FROM pending_deletes WHERE not_before <= ? LIMIT ?", (now, limit))]
+                "SELECT DISTINCT holder FROM object_refs WHERE substr(holder, 1, ?)=?", (len(prefix), prefix))]
+
+    def claim_deletes(self, now: float, limit: int, skip: set[str], named: Callable[[list[str]], set[str]],
+                      retry: float) -> list[str]:
+        """The one question before any object delete, in one transaction: due queued deletes that nothing refers
+        to. Not free: a key a reference holds (held file, running job), one named by a live row, an artifact or
+        an active file's append objects (a stale queue entry: the row that names it queues it again when it goes,
+        so the entry is dropped), one in `skip` (being deleted) and one `named` says a snapshot names (its entry
+        is retried after `retry` seconds, so keys waiting on snapshots never starve the others)."""
+        with self._transaction() as db:
+            due = [r[0] for r in db.execute(
+                "SELECT key FROM pending_deletes WHERE not_before <= ? AND key NOT IN (SELECT key FROM object_refs) "
+                "ORDER BY not_before LIMIT ?", (now, limit))]
+            due = [k for k in due if k not in skip]
+            if not due:
+                return []
+            live = self._named_by_rows_locked(db, due)
+            if live:
+                db.executemany("DELETE FROM pending_deletes WHERE key=?", [(k,) for k in live])
+            free = [k for k in due if k not in live]
+            waiting = named(free) if free else set()
+            if waiting:
+                db.executemany("UPDATE pending_deletes SET not_before=? WHERE key=?",
+                               [(now + retry, k) for k in waiting])
+            return [k for k in free if k not in waiting]
+
+    @staticmethod
+    def _named_by_rows_locked(db: sqlite3.Connection, keys: list[str]) -> set[str]:
+        """Those of `keys` a live row (by the generation in the key), an artifact or a tail names."""
+        want = set(keys)
+        gens = {int(m.group(1)) for k in keys if (m := _KEY_GENERATION.search(k))}
+        named: set[str] = set()
+        for g in gens:
+            for objs, unit_ref in db.execute("SELECT objects, unit_ref FROM files WHERE generation=?", (g,)):
+                named.update(json.loads(objs))
+                named.add(units.ref_key(unit_ref or ""))
+        for (objs,) in db.execute("SELECT keys FROM artifacts"):
+            named.update(json.loads(objs))
+        for (objs,) in db.execute("SELECT objects FROM tail_offsets"):
+            named.update(o[0] for o in json.loads(objs))
+        return want & named
 
     def deleted(self, keys: list[str]) -> None:
         with self._lock:

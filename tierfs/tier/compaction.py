@@ -38,7 +38,7 @@ from tierfs.config import parse_retention
 from tierfs.objectstore import ObjectStore
 from tierfs.store import cidx
 from tierfs.store.paths import Kind
-from tierfs.tier import lz4c
+from tierfs.tier import layout, lz4c
 from tierfs.tier.catalog import Artifact, Entry, State
 
 if TYPE_CHECKING:
@@ -82,6 +82,15 @@ def request_job(state_dir: Path, stages: list[str], spark: dict[str, str], min_a
     write_json_atomic(d / f"{job_id}.json", {"job_id": job_id, "stages": stages, "spark": spark,
                                               "min_age_seconds": min_age_seconds}, mode=0o600)
     return job_id
+
+
+async def hold_outputs(eng: Engine, job_id: str, inp: dict) -> None:
+    """Register the objects the job may write with the reference authority before it starts, so none is deleted
+    while it runs and none leaks when it fails, is killed or its result is skipped (released in run_job)."""
+    sid = inp["store_id"]
+    keys = [layout.lz4c_key(sid, r["path"], r["generation"]) for r in inp["segments"]]
+    keys += [layout.cidx_key(sid, r["path"], r["generation"]) for r in inp["indexes"]]
+    await eng.db(eng.references.hold, f"job:{job_id}", keys)
 
 
 def seg_record(e: Entry) -> dict:
@@ -183,6 +192,9 @@ class Compactor:
             if (d / "result.json").exists() and not (d / "applied.json").exists():
                 log.info("applying the result of job %s left by an earlier daemon", d.name)
                 await self._apply_dir(d)
+        grace = float(self.config["delete.grace_seconds"])
+        for holder in await self.eng.db(self.eng.catalog.holders, "job:"):  # jobs of an earlier daemon: done
+            await self.eng.db(self.eng.references.release, holder, time.time() + grace)
 
     # ------------------------------------------------------------------ one job
 
@@ -203,6 +215,7 @@ class Compactor:
                     return summary
                 log.info("compaction job %s (%s): %d segments, %d index files, %d commitlogs", job_id,
                          ",".join(stages), len(inp["segments"]), len(inp["indexes"]), len(inp["commitlogs"]))
+                await hold_outputs(self.eng, job_id, inp)
                 rc = await self._run_child(d, inp)
                 if not (d / "result.json").exists():
                     tail = _tail(d / "job.log")
@@ -217,6 +230,9 @@ class Compactor:
             finally:
                 self.running = None
                 self._prune()
+                with trio.CancelScope(shield=True):  # what no row took over is queued (the authority decides)
+                    await self.eng.db(self.eng.references.release, f"job:{job_id}",
+                                      time.time() + float(self.config["delete.grace_seconds"]))
 
     async def _build_input(self, job: Job, spark: dict[str, str], min_age: float) -> dict:
         eng = self.eng
@@ -280,7 +296,7 @@ class Compactor:
     async def _apply_dir(self, d: Path) -> dict:
         result = json.loads((d / "result.json").read_text())
         t0 = time.time()
-        failpoints.hit("compaction.before_swap")
+        await failpoints.pause("compaction.before_swap")  # tests: "sleep:S" lets the mount run meanwhile
         applied = {"segments": 0, "indexes": 0, "archive": 0}
         skipped: list[dict] = []
         errors = list(result.get("errors") or [])

@@ -58,6 +58,7 @@ from tierfs.tier import identity
 from tierfs.tier.lease import WriterLease
 from tierfs.tier.namespace import Namespace, storable
 from tierfs.tier.primer import Primer
+from tierfs.tier.references import References
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
@@ -140,6 +141,7 @@ class Engine:
         self.evictor = Evictor(self)
         self.compactor = Compactor(self)
         # no snapshots into the embedded default store: it lives in the hot dir, where no reader can reach it
+        self.references = References(self.catalog, snapshots=not read_only and bool(config["objectstore.url"]))
         self.snapshotter = snapshot.Snapshotter(self) if not read_only and config["objectstore.url"] else None
         # continuous tiering of active files (tierfs.tier.appendlog): needs the snapshots that name them
         self.appendlog = AppendLog(self) if self.snapshotter is not None and self.enabled \

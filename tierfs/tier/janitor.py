@@ -1,19 +1,19 @@
-"""The janitor: deletes objects whose deletion the catalog scheduled, once their grace period is over (DESIGN §5).
+"""The janitor: the one deleter of queued objects, once the reference authority says nothing refers to them.
 
-Deletes are queued in the same transaction as the state change that orphans the objects (unlink, rewrite,
-compaction swap) with a not-before time `delete.grace_seconds` ahead, so a reader that still holds the old row
-(a read-only mount, a job) keeps working for that long. Objects a catalog snapshot still names, kept or being
-taken, wait longer (tierfs.tier.references): the snapshotter is asked to roll, so the wait ends with the next
-snapshots.
+Deletes are queued in the same transaction as the change that orphans the objects (unlink, rewrite, compaction
+swap, a job released, append objects retired) with a not-before time `delete.grace_seconds` ahead, so a reader
+that still holds the old row (a read-only mount, a job) keeps working for that long. Each pass asks
+tierfs.tier.references which due keys nothing refers to (live rows, held files, running jobs, active tails,
+published and in-flight snapshots), in one catalog transaction; keys a snapshot still names wait, and the
+snapshotter is asked to roll, so the wait ends with the next snapshots.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sqlite3
 import time
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -33,12 +33,22 @@ def _fenced_delete(eng: Engine, keys: list[str]) -> None:
     eng.store.delete_many(keys)
 
 
-def _may_delete(eng: Engine, keys: list[str]) -> ContextManager[list[str]]:
-    """The due keys nothing else refers to, reserved while they are deleted (a store without snapshots has no
-    referrers beyond the catalog)."""
-    if eng.snapshotter is None:
-        return contextlib.nullcontext(keys)
-    return eng.snapshotter.references.may_delete(keys)
+async def sweep(eng: Engine) -> int:
+    """One pass: delete what the authority lets go; returns how many objects went."""
+    refs = eng.references
+    keys = await eng.db(refs.claim, time.time())
+    if not keys:
+        return 0
+    try:
+        eng.fence(keys[0])
+        await eng.io(_fenced_delete, eng, keys)
+    except BaseException:
+        refs.done(keys, deleted=False)  # memory only: released at once, retried next pass
+        raise
+    await eng.db(refs.done, keys, True)
+    if eng.appendlog is not None:
+        eng.appendlog.note_deleted(keys)
+    return len(keys)
 
 
 async def run_janitor(eng: Engine) -> None:
@@ -47,13 +57,8 @@ async def run_janitor(eng: Engine) -> None:
         if not eng.store_writable():
             continue
         try:
-            due = await eng.db(eng.catalog.due_deletes, time.time())
-            with _may_delete(eng, due) as keys:  # a read-only mount or a takeover may still read the others
-                if not keys:
-                    continue
-                eng.fence(keys[0])
-                await eng.io(_fenced_delete, eng, keys)
-                await eng.db(eng.catalog.deleted, keys)
-            log.info("deleted %d objects", len(keys))
+            n = await sweep(eng)
+            if n:
+                log.info("deleted %d objects", n)
         except (ObjectStoreError, sqlite3.Error) as err:
             log.warning("object deletes failed (%s); will retry", err)

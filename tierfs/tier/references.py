@@ -1,14 +1,23 @@
-"""Who still refers to an object, beyond the catalog's live rows (DESIGN §5: one reference authority).
+"""The one reference authority over objects (DESIGN §5): an object is deleted only when nothing refers to it.
 
-An object may be deleted only when nothing refers to it. The catalog holds the durable part (a live row names
-it, or `pending_deletes` says when it may go); this module holds the in-memory part every delete must also ask:
-the objects named by catalog snapshots, published (a read-only mount or a takeover may fetch any of them) and in
-flight (being taken: once its pointer is up, the same holds). A snapshot names its objects here in the same
-loop turn as it reads the rows that name them, so no delete decided after that can take them; a delete decided
-before is visible to the snapshot (`name` refuses a key being deleted: the row it read was stale).
+Every deleter of objects (the janitor, which alone deletes what the catalog queued: segment chunks, compacted
+objects, sidecars, retired append objects; and the snapshot pruner for its content-addressed blobs) asks here,
+and every referrer registers here:
 
-The other referrers the design lists (held files, takeover imports, compaction outputs) are still kept by the
-catalog's rows and delete times; they belong here as they move out of it.
+- live rows, artifacts and the append objects of active files name their objects in the catalog itself;
+- an unlinked file still open holds its objects (`held:<file id>` in the catalog's `object_refs`, until its last
+  close or the next mount: no process holds a file of an earlier daemon);
+- a compaction job holds the outputs it may write (`job:<job id>`) from before it starts until its result is
+  applied (or it failed): what no row took over is then queued, so a failed or skipped job leaks nothing and a
+  running one loses nothing;
+- catalog snapshots, published (a read-only mount or a takeover may fetch any object they name) and in flight
+  (being taken: once its pointer is up, the same holds), are held here in memory: they name their objects in
+  the same loop turn as they read the rows that name them, and a restart reloads the kept ones (`keep`).
+
+`claim` answers "which queued deletes may go now" in one catalog transaction (Catalog.claim_deletes) that also
+asks the snapshot sets, under one lock, and reserves the answer until its deleter is done: a snapshot that reads
+a stale row naming a reserved key fails (`BeingDeleted`) instead of publishing it, and a holder cannot register
+one (`hold` raises the same).
 """
 
 from __future__ import annotations
@@ -17,6 +26,12 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierfs.tier.catalog import Catalog
+
+SNAPSHOT_RETRY_S = 5.0  # a due delete a snapshot still names is asked about again this much later
 
 
 class BeingDeleted(ValueError):
@@ -40,13 +55,16 @@ class Flight:
 
 
 class References:
-    """Object keys named by published and in-flight catalog snapshots. Thread-safe: the janitor asks on the trio
-    thread, the snapshot pruner and the append log's collector from worker threads."""
+    """Who refers to which object: the catalog's durable referrers and the snapshots' keys. Thread-safe: the
+    snapshotter names keys on the trio thread; the janitor claims, jobs hold, the pruner asks from worker threads
+    (the catalog call runs under this lock: lock order References, then Catalog)."""
 
-    def __init__(self) -> None:
+    def __init__(self, catalog: Catalog, snapshots: bool) -> None:
+        """`snapshots`: this mount takes catalog snapshots, whose kept ones are unknown until the first `keep`."""
+        self._catalog = catalog
         self._lock = threading.Lock()
         self._published: dict[int, frozenset[str]] = {}  # seq -> keys, for every kept snapshot once _complete
-        self._complete = False  # _published covers every kept snapshot (after the first `keep`)
+        self._complete = not snapshots  # _published covers every kept snapshot (after the first `keep`)
         self._flights: dict[int, set[str]] = {}
         self._ids = itertools.count()
         self._deleting: set[str] = set()  # released by may_delete, until their deleter is done
@@ -95,16 +113,61 @@ class References:
             sets = [*self._published.values(), *self._flights.values()]
             return {k for s in sets for k in s if k.startswith(prefix)}
 
+    # ------------------------------------------------------------------ durable referrers (the catalog)
+
+    def hold(self, holder: str, keys: list[str]) -> None:
+        """Blocking: `holder` refers to `keys` from now on (register before writing or using them). Raises
+        BeingDeleted when a delete already took one: the holder must not rely on it."""
+        with self._lock:
+            taken = set(keys) & self._deleting
+            if taken:
+                raise BeingDeleted(f"{len(taken)} objects {holder} would hold are being deleted, e.g. {min(taken)}")
+            self._catalog.hold_refs(holder, keys)
+
+    def release(self, holder: str, not_before: float) -> int:
+        """Blocking: `holder` is done; its objects go after `not_before` unless something else refers to them."""
+        return self._catalog.release_refs(holder, not_before)
+
+    def claim(self, now: float, limit: int = 1000) -> list[str]:
+        """Blocking: the queued deletes due at `now` that nothing refers to, reserved until `done` (call it
+        whatever happens). None while the kept snapshots are unknown."""
+        with self._lock:
+            if not self._complete:
+                return []
+            free = self._catalog.claim_deletes(now, limit, self._deleting, self._snapshot_named, SNAPSHOT_RETRY_S)
+            self._deleting.update(free)
+            return free
+
+    def done(self, keys: list[str], deleted: bool) -> None:
+        """Blocking: the deleter of claimed `keys` finished; `deleted`: they are gone (their queue entries go)."""
+        try:
+            if deleted:
+                self._catalog.deleted(keys)
+        finally:
+            with self._lock:
+                self._deleting.difference_update(keys)
+
+    def _snapshot_named(self, keys: list[str]) -> set[str]:
+        """(under the lock) those of `keys` a published or in-flight snapshot names; asks for a roll if any."""
+        sets = [*self._published.values(), *self._flights.values()]
+        named = {k for k in keys if any(k in s for s in sets)}
+        if named:
+            self.roll_requested = True
+        return named
+
+    # ------------------------------------------------------------------ snapshot-only objects (blobs)
+
     @contextmanager
     def may_delete(self, keys: list[str]) -> Iterator[list[str]]:
-        """The subset of `keys` no snapshot names (none until the kept snapshots are known). Those stay reserved
-        while the caller deletes them, so a snapshot reading a stale row naming one fails instead of publishing it."""
+        """For objects only snapshots refer to (content-addressed blobs, which a later snapshot may name again, so
+        they are never queued): the subset of `keys` no snapshot names (none until the kept snapshots are known),
+        reserved while the caller deletes them."""
         with self._lock:
             if not self._complete:
                 free: list[str] = []
             else:
-                sets = [*self._published.values(), *self._flights.values()]
-                free = [k for k in keys if k not in self._deleting and not any(k in s for s in sets)]
+                named = self._snapshot_named(keys)
+                free = [k for k in keys if k not in self._deleting and k not in named]
             if len(free) < len(keys):
                 self.roll_requested = True
             self._deleting.update(free)

@@ -257,9 +257,8 @@ class Snapshotter:
         self._known: set[str] | None = None  # sha256 of the blobs in the store
         self._unref_since: dict[str, float] = {}
         self._files: dict[str, _Cached] = {}
-        # the objects kept and in-flight snapshots name, which every delete asks about (the janitor, the append
-        # log's collector, the blob collection below)
-        self.references = References()
+        # the reference authority: kept and in-flight snapshots name their objects there (every delete asks it)
+        self.references: References = engine.references
         self._last_digest: bytes | None = None
         self._zero: dict[int, tuple[str, bytes]] = {}
         self._mutex = threading.Lock()  # _known, counters and _zero, shared by the uploading threads

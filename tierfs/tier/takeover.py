@@ -12,9 +12,11 @@ On a machine with an empty HOT_DIR, before the engine opens its catalog:
    content-addressed blobs and active segments from their append objects, local and whole, every block checked by
    its crc32c (their upload offsets go into the catalog: the new writer's first round uploads only what changed
    since);
-4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes (due after
-   the grace period) and pipeline artifacts, and an id sequence moved far above the old writer's, so an object
-   key it may still have put after the snapshot is never one of ours.
+4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes and the
+   objects its referrers held (its open files and running jobs are gone with it), all queued, due after the
+   grace period, and pipeline artifacts; and an id sequence moved far above the old writer's (ID_GAP). Deletion
+   safety is the reference authority's (tierfs.tier.references): an imported delete of an object the new
+   catalog still names (a row, an active tail, a kept snapshot) is refused like any other.
 
 An unmodified broker then starts on the mount: `abort` is present (the old one never shut down), so it runs its
 abnormal recovery on a store that holds every byte that was durable `tiering.rpo_seconds` before the loss.
@@ -43,7 +45,12 @@ from tierfs.tier.lease import WriterLease
 log = logging.getLogger("tierfs.takeover")
 
 MARKER = "takeover.json"
-ID_GAP = 1_000_000  # the new id sequence starts this far above the old writer's at the snapshot
+# Key naming, not deletion safety: object keys carry the file id / generation (tierfs.tier.layout), and the old
+# writer may still allocate ids and put objects between its last point and the moment the lease fences it. The new
+# sequence starts this far above the point's, so no key the new writer puts can be one the old writer wrote with
+# other content: two writers never give two contents one name. (Whether an object may be deleted is decided by
+# the reference authority alone.)
+ID_GAP = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,9 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tail
         db.execute("BEGIN")
         if "pending_deletes" in have:
             db.execute("INSERT OR IGNORE INTO pending_deletes SELECT key, ? FROM old.pending_deletes", (now + grace,))
+        if "object_refs" in have:  # held by the old writer's open files and jobs, which ended with it
+            db.execute("INSERT OR IGNORE INTO pending_deletes SELECT DISTINCT key, ? FROM old.object_refs",
+                       (now + grace,))
         if "artifacts" in have:
             db.execute("INSERT OR IGNORE INTO artifacts SELECT * FROM old.artifacts")
         old_next = 1
