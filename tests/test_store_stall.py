@@ -210,7 +210,7 @@ def test_store_waiters_are_bounded_and_fail_with_eio_naming_what(mount_store, re
     text = m.log_text()
     assert "wait on it (mount.max_store_waiters=4" in text, m.log_tail()
     assert "did not answer within 5.0 s (objectstore.read_timeout_seconds)" in text, m.log_tail()
-    assert any(re.search(rf"read of {r} failed with EIO: object \S+/seg/{r}/", text) for r in logs), m.log_tail()
+    assert any(re.search(rf"a read of {r} gave up with EIO: object \S+/seg/{r}/", text) for r in logs), m.log_tail()
 
     # more store waiters than the kernel's background requests leave hot files' writeback: refused at mount
     bad = mount_store(options=["mount.max_background=64,mount.max_store_waiters=49"], mount=False)

@@ -589,7 +589,7 @@ class BlockCache:
                 first_to_give_up |= not f.done.is_set() and not f.gave_up
                 f.gave_up = not f.done.is_set()
             if first_to_give_up:
-                log.error("read of %s failed with EIO: object %s did not answer within %s s "
+                log.error("a read of %s gave up with EIO: object %s did not answer within %s s "
                           "(objectstore.read_timeout_seconds)", e.path, self._object_of(e, block), timeout)
             raise ReadFailed(f"{e.path}: object store did not answer within {timeout} s")
         for f in fetches.values():
