@@ -123,7 +123,15 @@ SCHEMA: tuple[Key, ...] = (
         "Let users other than the mounting one access the store (FUSE allow_other). Off: only the owner sees it."),
     Key("mount.writeback_cache", "bool", True,
         "Kernel writeback cache: coalesces small and mmap writes into large WRITEs. Keep on for broker speed."),
-    Key("mount.max_tasks", "int", 32, "Most FUSE requests handled concurrently by the daemon.",
+    Key("mount.max_tasks", "int", 32,
+        "Most FUSE requests handled concurrently by the daemon, besides those waiting on the object store "
+        "(mount.max_store_waiters): this many are always free for requests on hot files.",
+        minimum=1, maximum=1024),
+    Key("mount.max_store_waiters", "int", 48,
+        "Most FUSE requests that may wait on the object store at once (reads of evicted bytes; writes and "
+        "truncates of a tiered segment that need a fetch), each for objectstore.read_timeout_seconds at most. One "
+        "more fails with EIO at once, so hot files' requests never wait behind them. At most mount.max_background "
+        "minus 16 (minus half of it when that is below 32), so the kernel keeps room for hot files' writeback.",
         minimum=1, maximum=1024),
     Key("mount.attr_timeout", "float", 1.0, "Seconds the kernel may cache file attributes and names.",
         minimum=0, maximum=3600),

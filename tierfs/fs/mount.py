@@ -32,6 +32,8 @@ from tierfs.fs.stats import FsStats
 
 log = logging.getLogger("tierfs.mount")
 
+STORE_WAITERS_KEY = "mount.max_store_waiters"
+HOT_BACKGROUND = 16  # background requests kept for hot files' writeback (hot_background_reserve)
 UMOUNT_WAIT_S = 60.0  # how long `tierfs umount` waits for the daemon to exit after the unmount
 SHUTDOWN_DEADLINE_S = UMOUNT_WAIT_S - 5.0
 EXIT_SHUTDOWN_DEADLINE = 3
@@ -157,11 +159,30 @@ def _mount_dev(mountpoint: Path) -> tuple[int, int] | None:
     return found
 
 
-def tune_kernel(mountpoint: Path, config: Config) -> None:
-    """Raise read-ahead (bdi) and max_background (fusectl) for the mount; best effort, logged."""
+def hot_background_reserve(max_background: int) -> int:
+    """Background requests (read-ahead READs, writeback WRITEs) the kernel must keep able to send while store
+    waiters hold the rest: hot files' writeback, which their fsyncs and the broker's msyncs wait for."""
+    return HOT_BACKGROUND if max_background >= 2 * HOT_BACKGROUND else max_background // 2
+
+
+def store_waiter_limit(config: Config) -> int:
+    """mount.max_store_waiters, checked against mount.max_background: a store waiter that is a read-ahead holds
+    one of the kernel's background slots, which the writeback of hot files needs too."""
+    waiters, bg = int(config[STORE_WAITERS_KEY]), int(config["mount.max_background"])
+    if bg and waiters > bg - hot_background_reserve(bg):
+        raise MountError(f"config key '{STORE_WAITERS_KEY}': {waiters} is too many for mount.max_background={bg}: "
+                         f"at most {bg - hot_background_reserve(bg)}, so that {hot_background_reserve(bg)} of the "
+                         f"kernel's background requests stay free for hot files' writeback; lower "
+                         f"{STORE_WAITERS_KEY} or raise mount.max_background")
+    return waiters
+
+
+def tune_kernel(mountpoint: Path, config: Config) -> int | None:
+    """Raise read-ahead (bdi) and max_background (fusectl) for the mount; best effort, logged. Returns the
+    connection's max_background as the kernel has it now (None: unknown)."""
     dev = _mount_dev(mountpoint)
     if dev is None:
-        return
+        return None
     major, minor = dev
     ra = int(config["mount.read_ahead_kb"])
     if ra:
@@ -178,15 +199,16 @@ def tune_kernel(mountpoint: Path, config: Config) -> None:
             if _read_sys(ra_file) in (ra, None):
                 break
     bg = int(config["mount.max_background"])
+    ctl = Path("/sys/fs/fuse/connections")
+    if ctl.is_dir() and not any(ctl.iterdir()):
+        os.system("mount -t fusectl none /sys/fs/fuse/connections >/dev/null 2>&1")
+    conn = ctl / str(os.makedev(major, minor))
+    if not conn.exists():
+        conn = ctl / str(minor)
     if bg:
-        ctl = Path("/sys/fs/fuse/connections")
-        if ctl.is_dir() and not any(ctl.iterdir()):
-            os.system("mount -t fusectl none /sys/fs/fuse/connections >/dev/null 2>&1")
-        conn = ctl / str(os.makedev(major, minor))
-        if not conn.exists():
-            conn = ctl / str(minor)
         _write_sys(str(conn / "max_background"), bg)
         _write_sys(str(conn / "congestion_threshold"), max(bg * 3 // 4, 1))
+    return _read_sys(str(conn / "max_background"))
 
 
 def _read_sys(path: str) -> int | None:
@@ -264,6 +286,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
     cache of a mount from the bucket's newest catalog snapshot (objectstore.url and store.id name the store)."""
 
     paths = check_paths(hot_dir, mountpoint)
+    store_waiter_limit(config)  # refused before anything is held
     os.chdir("/")  # every path is absolute from here: never keep the caller's directory busy
     # The daemon's own files (state, log, catalog, jobs, the embedded object store) are private to its user;
     # files created through the mount get exactly the caller's mode and umask (TierOperations sets them).
@@ -394,11 +417,14 @@ async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, nursery.cancel_scope,
                                engine.evictor.evict_now if engine is not None else None)
-            nursery.start_soon(trio.to_thread.run_sync, tune_kernel, paths.mountpoint, config)
+            nursery.start_soon(_tune_kernel, paths.mountpoint, config, engine)
             if engine is not None:
                 await engine.run(nursery)
+            # mount.max_tasks workers are always free for requests that do not wait on the store: those that do
+            # are at most engine.cache.waiters.limit, and have workers of their own
+            waiters = engine.cache.waiters.limit if engine is not None else 0
             try:
-                await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]))
+                await pyfuse3.main(min_tasks=4, max_tasks=int(config["mount.max_tasks"]) + waiters)
             finally:  # unmounted, signalled or failed: the engine's tasks end next, each may wait on the store
                 watchdog.start()
             nursery.cancel_scope.cancel()
@@ -410,6 +436,16 @@ async def _run(ops: TierOperations, engine, paths: MountPaths, config: Config) -
                     await engine.shutdown()
         finally:
             watchdog.cancel()  # done, or failed with a traceback: either way the daemon exits right after
+
+
+async def _tune_kernel(mountpoint: Path, config: Config, engine) -> None:
+    """tune_kernel off the loop; then, if the kernel kept fewer background slots than mount.max_background asked
+    for (no fusectl, not root), fewer requests may wait on the store, so hot files' writeback keeps its own."""
+    bg = await trio.to_thread.run_sync(tune_kernel, mountpoint, config)
+    if engine is not None and bg:
+        engine.cache.waiters.clamp(bg - hot_background_reserve(bg),
+                                   f"the kernel sends at most {bg} background requests (max_background) and "
+                                   f"{hot_background_reserve(bg)} of them stay for hot files' writeback")
 
 
 async def _watch_signals(scope: trio.CancelScope, evict_now: Callable[[], None] | None) -> None:

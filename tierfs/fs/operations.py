@@ -4,7 +4,10 @@ Every handler is wrapped by `_handler`, which times it into FsStats and turns fa
 an OSError becomes its own errno, anything else is logged with the path and answered EIO, so a bug in one
 request can never kill the daemon. Local file I/O runs inline on the trio loop (a thread hop costs more than a
 page-cache pread); a large read of an untiered file answers holes as zeros and leaves the loop only for what is
-not cached (tierfs.fs.localread); fsync and directory scans, which can take milliseconds, go to worker threads.
+not cached (tierfs.fs.localread); fsync and directory scans, which can take milliseconds, go to worker threads of
+their own. No request on a hot file awaits the network: only reads of evicted bytes and writes or truncates of a
+tiered segment that must fetch first wait on the object store, and the engine lets at most mount.max_store_waiters
+of them do so (tierfs.tier.storewait), so mount.max_tasks workers always stay free for the rest.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ class TierOperations(pyfuse3.Operations):
         self.timeout = float(config["mount.attr_timeout"])
         self.stats = stats or FsStats()
         self.local = LocalReader()
+        # worker threads of hot-file requests (fsync, large directory listings): their own, never queued behind
+        # the object store calls that other parts of the daemon run in trio's default thread pool
+        self.threads = trio.CapacityLimiter(int(config["mount.max_tasks"]))
         self.inodes = InodeTable(os.lstat(self.hot).st_ino, self._unpin)
         self._clear_pins()
         self.control = ControlDir(os.getuid(), os.getgid())
@@ -684,7 +690,7 @@ class TierOperations(pyfuse3.Operations):
             return
         # our flusher's FSYNC comes after the kernel wrote back every dirty page, which is all it wants
         if fh not in self._flusher_fh:
-            await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh)
+            await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fh, limiter=self.threads)
         if self.engine is not None:
             ino = self._fh_inode[fh]
             self.engine.note_fsync(ino, self.inodes.path(ino))
@@ -742,7 +748,8 @@ class TierOperations(pyfuse3.Operations):
                     return
             return
         if d.names is None or start_id == 0:
-            d.names = self._list_dir(d.path) if d.small else await trio.to_thread.run_sync(self._list_dir, d.path)
+            d.names = self._list_dir(d.path) if d.small else await trio.to_thread.run_sync(self._list_dir, d.path,
+                                                                                           limiter=self.threads)
         names = d.names
         prefix = d.path + "/" if d.path else ""
         for i in range(start_id, len(names)):
@@ -787,7 +794,7 @@ class TierOperations(pyfuse3.Operations):
             return
         fd = self.hotdir.open_dir(d.path)
         try:
-            await trio.to_thread.run_sync(os.fsync, fd)
+            await trio.to_thread.run_sync(os.fsync, fd, limiter=self.threads)
         finally:
             os.close(fd)
 

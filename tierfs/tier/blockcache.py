@@ -50,6 +50,7 @@ from tierfs.tier.bufferpool import Buffer, BufferPool
 from tierfs.tier.catalog import Entry, State, unit_count
 from tierfs.tier.readahead import ReadAhead
 from tierfs.tier.state import ReadFailed
+from tierfs.tier.storewait import StoreWaiters
 
 if TYPE_CHECKING:
     from tierfs.objectstore.base import ObjectStore
@@ -244,6 +245,7 @@ class BlockCache:
         self.tables = units.TableLRU(int(engine.config["cache.unit_tables_bytes"]))  # loaded table objects
         self._table_loads: dict[tuple[int, int], trio.Event] = {}  # (file id, generation) -> its load in flight
         self._bad_tables: set[tuple[int, int]] = set()  # tables refused or found wrong: whole blocks for those
+        self.waiters = StoreWaiters(int(engine.config["mount.max_store_waiters"]))  # requests waiting on the store
 
     def opened(self, fh: int, e: Entry) -> None:
         """A handle of a tiered file opened: the file has a reader (its buffers live until the last one closes,
@@ -523,16 +525,20 @@ class BlockCache:
     async def _ensure(self, e: Entry, blocks: list[int], deadline: float, scan: bool = False) -> None:
         """Make `blocks` resident (fetching what no one is fetching yet), bounded by the read deadline. The
         error a reader gets is the one of the fetch it waited for."""
-        fetches = self._join_or_start(e, blocks, lambda todo: block_runs(e, todo, 8), scan=scan, unit=False)
-        fid, gen, pool = e.file_id, e.generation, self.pool
-        await self._wait(e, fetches, deadline, lambda: all(e.is_resident(b) or (fid, gen, b) in pool for b in blocks))
+        with self.waiters.slot(e.path):  # EIO at once when too many requests wait on the store already
+            fetches = self._join_or_start(e, blocks, lambda todo: block_runs(e, todo, 8), scan=scan, unit=False)
+            fid, gen, pool = e.file_id, e.generation, self.pool
+            await self._wait(e, fetches, deadline, lambda: all(e.is_resident(b) or (fid, gen, b) in pool
+                                                               for b in blocks), blocks[0])
 
     async def _ensure_units(self, e: Entry, wanted: list[int], deadline: float) -> None:
         """Fetch verification units `wanted` into the pool (runs inside one chunk object, one GET each), bounded
         by the read deadline, like _ensure."""
-        fetches = self._join_or_start(e, wanted, lambda todo: unit_runs(e, todo), scan=False, unit=True)
-        fid, gen, pool = e.file_id, e.generation, self.pool
-        await self._wait(e, fetches, deadline, lambda: all((fid, gen, ~k) in pool for k in wanted))
+        with self.waiters.slot(e.path):
+            fetches = self._join_or_start(e, wanted, lambda todo: unit_runs(e, todo), scan=False, unit=True)
+            fid, gen, pool = e.file_id, e.generation, self.pool
+            await self._wait(e, fetches, deadline, lambda: all((fid, gen, ~k) in pool for k in wanted),
+                             wanted[0] * e.unit_bytes // e.block_bytes)
 
     def _join_or_start(self, e: Entry, pieces: list[int], runs: Callable[[list[int]], list[tuple[int, int]]],
                        scan: bool, unit: bool) -> dict[int, Fetch]:
@@ -551,9 +557,11 @@ class BlockCache:
             fetches[id(f)] = f
         return fetches
 
-    async def _wait(self, e: Entry, fetches: dict[int, Fetch], deadline: float, have: Callable[[], bool]) -> None:
+    async def _wait(self, e: Entry, fetches: dict[int, Fetch], deadline: float, have: Callable[[], bool],
+                    block: int) -> None:
         """Wait for `fetches` until `have()` (what the reader asked for is in: a GET may land its blocks before it
-        ends) or they all ended, bounded by the read deadline; raise the error of one that failed."""
+        ends) or they all ended, bounded by the read deadline; raise the error of one that failed. The first reader
+        to give up on a fetch logs it, naming the file and the object of `block` (the first one it waited for)."""
         timeout = self.eng.config["objectstore.read_timeout_seconds"]
         if any(f.gave_up for f in fetches.values()):
             # a read of these blocks already waited the whole bound and the fetch is still stuck: the kernel's
@@ -576,8 +584,13 @@ class BlockCache:
                 for f in fetches.values():
                     f.waiting -= 1
         if scope.cancelled_caught:
+            first_to_give_up = False
             for f in fetches.values():
+                first_to_give_up |= not f.done.is_set() and not f.gave_up
                 f.gave_up = not f.done.is_set()
+            if first_to_give_up:
+                log.error("a read of %s gave up with EIO: object %s did not answer within %s s "
+                          "(objectstore.read_timeout_seconds)", e.path, self._object_of(e, block), timeout)
             raise ReadFailed(f"{e.path}: object store did not answer within {timeout} s")
         for f in fetches.values():
             if f.error:
@@ -1095,7 +1108,7 @@ class BlockCache:
 
     async def _rematerialise_frozen(self, e: Entry, ino: int, keep: int, why: str, deadline: float) -> None:
         eng = self.eng
-        if keep and not await self._make_resident(e, 0, keep, deadline + 600):
+        if keep and not await self._make_resident(e, 0, keep, deadline):  # a store waiter: bounded like a read
             raise ReadFailed(f"{e.path}: could not re-materialise for a {why}")
         await self._installs_done(e.file_id)
         if eng.tiered.get(ino) is not e:
