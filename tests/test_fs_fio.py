@@ -12,19 +12,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 from mountutil import evict, requires_fuse, run
+from must_run import missing_tool_reason
 
 pytestmark = [requires_fuse, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")
-needs_stress_ng = pytest.mark.skipif(shutil.which("stress-ng") is None,
-                                     reason="stress-ng is not installed (apt-get install stress-ng)")
+needs_fio = pytest.mark.skipif(missing_tool_reason("fio") is not None, reason=missing_tool_reason("fio") or "")
+needs_stress_ng = pytest.mark.skipif(missing_tool_reason("stress-ng") is not None,
+                                     reason=missing_tool_reason("stress-ng") or "")
 
 # the verify options shared by the writing run and the later --verify_only runs (same seeds, same layout)
 VERIFY = ["--verify=crc32c", "--randrepeat=1", "--verify_state_save=0",
