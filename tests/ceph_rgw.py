@@ -33,7 +33,7 @@ retried with fresh ports (mon binds once, no 10 s retry loop). Without tcp_nodel
 add ~40 ms to every small ranged GET.
 
 Nothing is installed here. When a binary is missing the fixture skips with the reason, unless the environment
-sets TIERFS_REQUIRE_RGW=1 (CI), where it is an error. Debian/Ubuntu packages:
+sets TIERFS_REQUIRE_RGW=1 or TIERFS_REQUIRE_ALL=1 (CI, tests/must_run.py), where it is an error. Debian/Ubuntu packages:
     apt-get install -y --no-install-recommends ceph-mon ceph-osd radosgw ceph-common
 
 Run `python tests/ceph_rgw.py` to bring a cluster up by hand (prints the endpoint; Ctrl-C stops it).
@@ -61,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import must_run
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph", "ceph-authtool", "monmaptool")
 APT_PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-common")
@@ -502,8 +504,9 @@ def rgw(tmp_path_factory: pytest.TempPathFactory):
     if missing:
         reason = (f"Ceph RGW binaries missing ({', '.join(missing)}); install with: apt-get install -y "
                   f"--no-install-recommends {' '.join(APT_PACKAGES)}")
-        if os.environ.get("TIERFS_REQUIRE_RGW") == "1":
-            pytest.fail(f"TIERFS_REQUIRE_RGW=1 but {reason}", pytrace=False)
+        if must_run.rgw_required():
+            pytest.fail(f"the S3 tests must run here (TIERFS_REQUIRE_RGW or TIERFS_REQUIRE_ALL) but {reason}",
+                        pytrace=False)
         pytest.skip(reason)
     r = _acquire(tmp_path_factory)
     try:

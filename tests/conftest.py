@@ -11,7 +11,9 @@
     rgw -> ceph_rgw.RGW
         Session-wide single-node Ceph + radosgw (see tests/ceph_rgw.py), registered here as a plugin.
 
-The whole FUSE part of the suite is skipped with the reason when /dev/fuse (or fusermount3) is missing.
+The whole FUSE part of the suite is skipped with the reason when /dev/fuse (or fusermount3) is missing, except
+where every test must run (TIERFS_REQUIRE_ALL=1, set by mount-scripts/test: see tests/must_run.py): there a session
+on a machine that lacks a prerequisite refuses to start, and a test that skips anyway fails.
 """
 
 from __future__ import annotations
@@ -23,11 +25,48 @@ from typing import Iterable, Mapping
 
 import pytest
 
+import must_run
 from mountutil import FUSE_SKIP_REASON, Mount
 
 # The Ceph RGW (S3) session fixture `rgw`, for tests that do not import it themselves (tests/ceph_rgw.py), and
 # `fault_proxy`, a fault-injecting proxy in front of it (tests/faultproxy.py).
 pytest_plugins = ("ceph_rgw", "faultproxy")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Where every test must run, a machine that lacks a prerequisite fails the run at once, saying what."""
+    if must_run.required():
+        from ceph_rgw import missing_binaries  # registered as a plugin below first, so pytest rewrites its asserts
+
+        missing = must_run.missing_prerequisites(missing_binaries())
+        if missing:
+            pytest.exit("TIERFS_REQUIRE_ALL=1 (every test must run here) but this machine lacks:\n  "
+                        + "\n  ".join(missing), returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def _fail_if_must_run(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """A skip where every test must run becomes a failure, unless the test does not apply (must_run.NOT_APPLICABLE).
+    Catches every skip: markers, pytest.skip in a test or fixture, importorskip in a module."""
+    if not (report.skipped and must_run.required()) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not must_run.not_applicable(reason):
+        report.outcome = "failed"
+        report.longrepr = f"TIERFS_REQUIRE_ALL=1: this test must run here, but it skipped: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    _fail_if_must_run(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    report = yield
+    _fail_if_must_run(report)
+    return report
 
 
 @pytest.fixture

@@ -9,22 +9,28 @@ verify-only pass does read through the daemon: a byte corrupted in the hot file 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
-import shutil
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from mountutil import evict, requires_fuse, run
+from must_run import missing_tool_reason
+from test_fs_semantics import _syncfs
 
 pytestmark = [requires_fuse, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
-needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")
-needs_stress_ng = pytest.mark.skipif(shutil.which("stress-ng") is None,
-                                     reason="stress-ng is not installed (apt-get install stress-ng)")
+needs_fio = pytest.mark.skipif(missing_tool_reason("fio") is not None, reason=missing_tool_reason("fio") or "")
+needs_stress_ng = pytest.mark.skipif(missing_tool_reason("stress-ng") is not None,
+                                     reason=missing_tool_reason("stress-ng") or "")
 
 # the verify options shared by the writing run and the later --verify_only runs (same seeds, same layout)
 VERIFY = ["--verify=crc32c", "--randrepeat=1", "--verify_state_save=0",
@@ -123,8 +129,12 @@ def test_fio_concurrent_engines_survive_remount(mount_store):
 #   fsize     - probes RLIMIT_FSIZE through fallocate(); tierfs does not implement fallocate (EOPNOTSUPP; the broker
 #               never calls it) and stress-ng 0.15's emulation then reports "fallocate unexpectedly succeeded".
 #   fallocate, fpunch - only exercise stress-ng's own write-based emulation of the unsupported fallocate.
-#   io        - calls syncfs(), which fails with ENOENT after any unlink of a closed file (a tierfs bug, see
-#               test_fs_semantics.py::test_syncfs_after_unlink_of_closed_file).
+#   io        - loops on sync() and on syncfs() of EVERY mount in /proc/mounts, not just --temp-path: it blocks
+#               while any other FUSE daemon on the machine is stopped or hung (the suite stops daemons on purpose;
+#               stress-ng then SIGKILLs it: "io instance 0 corrupted bogo-ops counter, 525 vs 0"), and it writes
+#               back the dirty pages of other tests' mounts early (test_rpo's races need them dirty). What it
+#               checks here, syncfs() on this mount among creates and unlinks of closed files, `syncfs_all_along`
+#               does on this mount only.
 #   dirdeep   - same syncfs-independent result as dir/dirmany but minutes of deep trees; not worth the time.
 STRESS_SETS = {
     "data": ["--hdd", "1", "--hdd-opts", "wr-seq,rd-seq", "--hdd-bytes", "64m",
@@ -139,12 +149,43 @@ STRESS_SETS = {
 }
 
 
+@dataclass
+class Syncs:
+    calls: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def syncfs_all_along(mnt: Path) -> Iterator[Syncs]:
+    """syncfs(2) of the mount every few ms from a thread while the block runs, as stress-ng's io stressor would but on
+    this mount alone: a writeback error the daemon causes (e.g. ENOENT to the SETATTR of an unlinked, closed file) is
+    the mount's, and fails every later syncfs()."""
+    syncs, stop = Syncs(), threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.005):
+            err = _syncfs(mnt)
+            syncs.calls += 1
+            if err:
+                syncs.errors.append(errno.errorcode.get(err, str(err)))
+    thread = threading.Thread(target=loop, name="syncfs", daemon=True)
+    thread.start()
+    try:
+        yield syncs
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
 @needs_stress_ng
 @pytest.mark.parametrize("which", list(STRESS_SETS))
 def test_stress_ng_verify(mount_store, which):
     m = mount_store()
-    r = run(["stress-ng", *STRESS_SETS[which], "--temp-path", str(m.mnt), "--timeout", "10s", "--verify",
-             "--metrics-brief"], cwd=m.mnt, timeout=150)
+    with syncfs_all_along(m.mnt) as syncs:
+        r = run(["stress-ng", *STRESS_SETS[which], "--temp-path", str(m.mnt), "--timeout", "10s", "--verify",
+                 "--metrics-brief"], cwd=m.mnt, timeout=150)
+    failed = sorted(set(syncs.errors))
+    assert syncs.calls > 0 and not failed, f"syncfs() failed {len(syncs.errors)} of {syncs.calls} times: {failed}"
     out = r.stdout + r.stderr
     fails = [ln for ln in out.splitlines() if re.search(r"\bfail:|\bfailed\b|aborted|untrustworthy", ln)]
     assert r.returncode == 0 and not fails, f"stress-ng exited {r.returncode}:\n" + "\n".join(fails or [out[-3000:]])

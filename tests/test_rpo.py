@@ -766,35 +766,43 @@ def test_commitlog_walk_stops_before_a_torn_record(tmp_path):
     assert cl.complete_records_end(sealed, 0, trusted_end=0, **whole) == (ends[-2] + 8, False)
 
 
-def test_continuous_upload_never_copies_a_torn_commitlog_record(tmp_path):
+def test_continuous_upload_never_copies_a_torn_commitlog_record(tmp_path, mount_store):
     """Fails on 7786e4a: a round copied the active CommitLog up to its last non-zero byte, so a point could hold
     a record whose last page was still zeros while its ConsumeQueue unit named it; the broker's recovery accepts
-    such a record (lengths and body crc are right) and a takeover served it without its properties."""
-    from types import SimpleNamespace
-
-    from tierfs.objectstore import open_store
-    from tierfs.tier.appendlog import AppendLog, Tail
-
-    seg, ends = _segment_with_torn_record(tmp_path)
-    (tmp_path / "objects").mkdir()
-    eng = SimpleNamespace(store=open_store(f"file://{tmp_path / 'objects'}"), store_id="s", hot=tmp_path / "store",
-                          config={"tiering.rpo_seconds": 10, "broker.max_hash_slot_num": 500,
-                                  "broker.max_index_num": 2000}, fence=lambda key: None, chunk=16 << 20)
-    log = AppendLog(eng)  # type: ignore[arg-type]
-    t = Tail("commitlog/" + seg.name, seg.stat().st_ino, 1)
-    objs, end = log._upload_one(t, [])
-    assert end == ends[-2] and max(o.end for o in objs) == ends[-2]
-    # the record whole now: the next round uploads it from the committed offset
-    buf = bytearray(seg.read_bytes())
+    such a record (lengths and body crc are right) and a takeover served it without its properties. Through a
+    mount: the segment reaches the daemon with the last record's second page not written yet (as a page of the
+    broker's mapping the kernel has not written back); the round's point stops before that record, and once the
+    page is written the next round's point holds it."""
     from tierfs.store import commitlog as cl
-    rec = cl.encode_message(cl.Message(topic="TO", body=b"m%06d" % 40 * 50, physical_offset=(1 << 20) + ends[-2],
-                                       store_timestamp=1, properties={"seq": "40", "KEYS": "K40",
-                                                                      "pad": "x" * 3000}))
-    buf[ends[-2]:ends[-1]] = rec
-    seg.write_bytes(bytes(buf))
-    t.uploaded, t.committed = True, end
-    objs, end = log._upload_one(t, [])
-    assert end == ends[-1] and objs[0].start == ends[-2] and objs[-1].end == ends[-1]
+
+    seg, ends = _segment_with_torn_record(tmp_path / "src", base=0)
+    torn = seg.read_bytes()
+    whole = bytearray(torn)
+    whole[ends[-2]:ends[-1]] = cl.encode_message(cl.Message(
+        topic="TO", body=b"m%06d" % 40 * 50, physical_offset=ends[-2], store_timestamp=1,
+        properties={"seq": "40", "KEYS": "K40", "pad": "x" * 3000}))
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    m = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},store.id=torn,tiering.rpo_seconds=1,"
+                                        "lease.ttl_seconds=60"])
+    rel = f"commitlog/{0:020d}"
+    (m.mnt / "commitlog").mkdir()
+    with open(m.mnt / rel, "wb") as f:
+        f.truncate(len(torn))
+        f.write(torn.rstrip(b"\0"))  # up to the torn record's unwritten page
+        os.fsync(f.fileno())
+    wait_round_after(m, time.time())
+    held = _point_tails(objects, "torn", tmp_path)[rel]
+    assert held[:ends[-2]] == torn[:ends[-2]], "the point lacks whole records"
+    assert not held[ends[-2]:].strip(b"\0"), \
+        f"the point holds {len(held.rstrip(bytes(1))) - ends[-2]} bytes of the torn record at {ends[-2]}"
+    with open(m.mnt / rel, "r+b") as f:  # the page arrives: the record is whole
+        f.seek(ends[-2])
+        f.write(whole[ends[-2]:ends[-1]])
+        os.fsync(f.fileno())
+    wait_round_after(m, time.time())
+    held = _point_tails(objects, "torn", tmp_path)[rel]
+    assert held[:ends[-1]] == whole[:ends[-1]] and not held[ends[-1]:].strip(b"\0"), "the whole record never went up"
 
 
 def test_a_round_flushes_through_the_mount_without_syncing_the_hot_files(tmp_path, mount_store):
