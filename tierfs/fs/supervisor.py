@@ -89,24 +89,27 @@ class Holders:
     killed: dict[int, int] = field(default_factory=dict)  # pid -> pidfd
 
     def scan(self) -> set[int]:
-        """Pids (not this one) with an fd on one of the mount ids or a mapping of a file on the device."""
-        dev = f"{self.major:02x}:{self.minor:02x}"
-        found = set()
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == os.getpid():
-                continue
-            if self._maps_device(name, dev) or self._has_fd_on(name):
-                found.add(int(name))
-        return found
+        """Pids (not this one, none already killed) with an fd on one of the mount ids, then those with a mapping
+        of a file on the device. The fds first: reading /proc/PID/maps takes the process's mmap lock, which a
+        thread faulting on the dead mount can hold, and a process that maps the store (a broker keeps its
+        FileChannels open) is found by its fds without it."""
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) != os.getpid()]
+        pids = [p for p in pids if p not in self.killed]
+        found = {p for p in pids if self._has_fd_on(p)}
+        return found or {p for p in pids if self._maps_device(p)}
 
-    def _maps_device(self, pid: str, dev: str) -> bool:
+    def holds(self, pid: int) -> bool:
+        return self._has_fd_on(pid) or self._maps_device(pid)
+
+    def _maps_device(self, pid: int) -> bool:
+        dev = f"{self.major:02x}:{self.minor:02x}"
         try:
             with open(f"/proc/{pid}/maps") as f:
                 return any(line.split(maxsplit=4)[3:4] == [dev] for line in f)
         except OSError:  # gone, or a kernel thread
             return False
 
-    def _has_fd_on(self, pid: str) -> bool:
+    def _has_fd_on(self, pid: int) -> bool:
         try:
             fds = os.listdir(f"/proc/{pid}/fdinfo")
         except OSError:
@@ -128,13 +131,16 @@ class Holders:
         an open through a dead daemon waits. A killed process may stay (its threads wait on the connection)
         until the abort, but a pending SIGKILL lets none of its threads run user code again."""
         while True:
-            new = self.scan() - set(self.killed)
+            new = self.scan()
             if not new:
                 return set(self.killed)
             for pid in sorted(new):
                 try:
                     pidfd = os.pidfd_open(pid)
                 except OSError:  # exited since the scan
+                    continue
+                if not self.holds(pid):  # exited and its pid reused since the scan: the pidfd names the new one
+                    os.close(pidfd)
                     continue
                 try:
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
