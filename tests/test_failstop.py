@@ -145,3 +145,13 @@ def test_unmount_ends_the_supervisor(supervised: SupervisedMount):
     wait_for(lambda: not pid_alive(m.supervisor), 30, what="the supervisor to exit")
     assert not m.is_mounted(any_state=True)
     assert not (m.state_dir / "supervisor.json").exists()
+
+
+def test_sigterm_to_the_supervisor_unmounts_cleanly(supervised: SupervisedMount):
+    """systemctl stop (SIGTERM to the supervisor only, KillMode=mixed): the daemon unmounts and exits cleanly
+    (its pid file goes), then the supervisor exits; nothing is remounted."""
+    m = supervised
+    os.kill(m.supervisor, signal.SIGTERM)
+    wait_for(lambda: not pid_alive(m.supervisor), 60, what="the supervisor to exit on SIGTERM")
+    assert not pid_alive(m.pid) and not m.is_mounted(any_state=True)
+    assert not m.pid_file.exists(), f"the daemon did not exit cleanly:\n{m.log_tail()}"
