@@ -52,9 +52,10 @@ class SupervisedMount(Mount):
     pid at cleanup if the unmount did not end it."""
 
     supervisor: int | None = None
+    kill_units: tuple[str, ...] = ()
 
     def mount_args(self) -> list[str]:
-        return [*super().mount_args(), "--supervise"]
+        return [*super().mount_args(), "--supervise", *[a for u in self.kill_units for a in ("--kill-unit", u)]]
 
     def mount(self) -> "SupervisedMount":
         super().mount()
@@ -155,3 +156,25 @@ def test_sigterm_to_the_supervisor_unmounts_cleanly(supervised: SupervisedMount)
     wait_for(lambda: not pid_alive(m.supervisor), 60, what="the supervisor to exit on SIGTERM")
     assert not pid_alive(m.pid) and not m.is_mounted(any_state=True)
     assert not m.pid_file.exists(), f"the daemon did not exit cleanly:\n{m.log_tail()}"
+
+
+def test_kill_unit_goes_through_systemctl_before_the_remount(tmp_path: Path, fuse_required: None):
+    """--kill-unit UNIT: the supervisor runs `systemctl kill --signal=SIGKILL UNIT` (a stub here, first on PATH)
+    when the daemon dies, and remounts."""
+    stub, calls = tmp_path / "bin", tmp_path / "systemctl.calls"
+    stub.mkdir()
+    (stub / "systemctl").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (stub / "systemctl").chmod(0o755)
+    for d in ("hot", "mnt"):
+        (tmp_path / d).mkdir()
+    m = SupervisedMount(tmp_path / "hot", tmp_path / "mnt", env={"PATH": f"{stub}:{os.environ['PATH']}"})
+    m.kill_units = ("rocketmq-broker@a.service",)
+    try:
+        m.mount()
+        os.kill(m.pid, signal.SIGKILL)
+        wait_for(lambda: m.state()["remounts"] == 1, 120, 0.1, what="the remount by the supervisor")
+        assert calls.read_text() == "kill --signal=SIGKILL rocketmq-broker@a.service\n"
+        m.pid = m.state()["daemon"]
+        assert m.is_mounted()
+    finally:
+        m.cleanup()

@@ -133,11 +133,14 @@ def fail_stop(mnt: str, fuse_fd: int, kill_units: Sequence[str]) -> None:
     if dev is None:  # unmounted since we looked: the kernel aborted the connection when the last file went
         os.close(fuse_fd)
         return
-    for unit in kill_units:
-        r = subprocess.run(["systemctl", "kill", "--signal=SIGKILL", unit], capture_output=True, text=True,
-                           timeout=60)
-        log.warning("fail-stop: systemctl kill --signal=SIGKILL %s: exit %d %s", unit, r.returncode,
-                    r.stderr.strip())
+    for unit in kill_units:  # best effort: the scan below finds whatever this missed
+        try:
+            r = subprocess.run(["systemctl", "kill", "--signal=SIGKILL", unit], capture_output=True, text=True,
+                               timeout=60)
+            log.warning("fail-stop: systemctl kill --signal=SIGKILL %s: exit %d %s", unit, r.returncode,
+                        r.stderr.strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.error("fail-stop: systemctl kill --signal=SIGKILL %s failed: %s", unit, e)
     holders = Holders(*dev)
     try:
         killed = holders.kill_all()

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("tierfs.supervisor")
@@ -129,7 +130,10 @@ class Holders:
     def kill_all(self) -> set[int]:
         """SIGKILL every holder until a scan finds none not yet killed. New holders cannot appear meanwhile:
         an open through a dead daemon waits. A killed process may stay (its threads wait on the connection)
-        until the abort, but a pending SIGKILL lets none of its threads run user code again."""
+        until the abort, but a pending SIGKILL lets none of its threads run user code again. A holder we may
+        not signal (EPERM: the supervisor runs as another user) keeps us here, the connection open and that
+        holder waiting, until someone else stops it: aborting would let it see the failed msync."""
+        refused: set[int] = set()
         while True:
             new = self.scan()
             if not new:
@@ -144,11 +148,20 @@ class Holders:
                     continue
                 try:
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    self.killed[pid] = pidfd
-                    log.warning("fail-stop: SIGKILL to pid %d (%s), which holds files of the store", pid,
-                                _comm(pid))
-                except ProcessLookupError:
+                except OSError as e:
                     os.close(pidfd)
+                    if isinstance(e, ProcessLookupError):
+                        continue
+                    if pid not in refused:
+                        log.critical("fail-stop: cannot SIGKILL pid %d (%s), which holds files of the store: %s; "
+                                     "the connection stays open (its I/O waits) until it is stopped", pid,
+                                     _comm(pid), e.strerror)
+                    refused.add(pid)
+                    continue
+                self.killed[pid] = pidfd
+                log.warning("fail-stop: SIGKILL to pid %d (%s), which holds files of the store", pid, _comm(pid))
+            if new <= refused:
+                time.sleep(1.0)
 
     def close(self) -> None:
         for pidfd in self.killed.values():
