@@ -16,8 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierfs.config import Config, ConfigError, schema_markdown
+
+if TYPE_CHECKING:
+    from tierfs.fs.mount import MountPaths
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -150,9 +154,9 @@ def _mount_options(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _start_supervisor(args: argparse.Namespace, paths, config: Config) -> int:
+def _start_supervisor(args: argparse.Namespace, paths: MountPaths, config: Config) -> int:
     """`tierfs mount --supervise`: run `tierfs supervise` in its own session; return once it serves."""
-    from tierfs.failstop import state_file, supervisor_pid_alive  # noqa: PLC0415
+    from tierfs.failstop import running_pids, state_file  # noqa: PLC0415
 
     paths.state.mkdir(mode=0o700, exist_ok=True)
     state_file(paths.hot).unlink(missing_ok=True)
@@ -162,7 +166,7 @@ def _start_supervisor(args: argparse.Namespace, paths, config: Config) -> int:
     with open(os.devnull, "rb") as devnull, open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, start_new_session=True, cwd="/")
     deadline = time.monotonic() + 180
-    while (running := supervisor_pid_alive(paths.hot)) is None:
+    while (running := running_pids(paths.hot)) is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
                 proc.terminate()

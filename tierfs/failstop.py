@@ -109,13 +109,18 @@ class Supervisor:
                 fuse_fd = receive_fuse_fd(ours)  # EOF when the daemon dies first
             except (ConnectionError, OSError) as e:
                 self.daemon.wait()
+                if mount_dev(str(self.mnt)) is not None:  # it served nothing: no holder to stop, just clear it
+                    subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True, timeout=60)
                 raise SuperviseError(f"daemon exited {self.daemon.returncode} before mounting ({e}); see "
                                      f"{self.hot}/.tierfs/daemon.stderr") from None
         if not wait_until_mounted(self.mnt, self.daemon.pid, timeout=120):
-            os.close(fuse_fd)
             if self.daemon.poll() is None:
                 self.daemon.kill()
             self.daemon.wait()
+            if mount_dev(str(self.mnt)) is not None:  # it may have served a request: as for any death
+                fail_stop(str(self.mnt), fuse_fd, self.kill_units)
+            else:
+                os.close(fuse_fd)
             raise SuperviseError(f"daemon exited {self.daemon.returncode} before its mount answered")
         self._write_state()
         return fuse_fd
@@ -180,8 +185,9 @@ def supervise(hot: Path, mnt: Path, mount_args: Sequence[str], kill_units: Seque
         return 1
 
 
-def supervisor_pid_alive(hot: Path) -> tuple[int, int] | None:
-    """(supervisor pid, daemon pid) from the state file while both run."""
+def running_pids(hot: Path) -> tuple[int, int] | None:
+    """(supervisor pid, daemon pid) from the state file while both run: how `tierfs mount --supervise` knows
+    the supervisor holds the connection and the mount answers."""
     try:
         st = json.loads(state_file(hot).read_text())
     except (OSError, ValueError):
