@@ -16,8 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierfs.config import Config, ConfigError, schema_markdown
+
+if TYPE_CHECKING:
+    from tierfs.fs.mount import MountPaths
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -90,6 +94,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
     warning = other_users_warning(paths, config, args.read_only)
     if warning and not args.foreground:  # in the foreground the daemon's log line shows on stderr
         print(f"tierfs: warning: {warning}", file=sys.stderr)
+    if args.supervise:
+        if args.foreground or args.read_only or args.takeover:
+            return _fail("--supervise goes with a plain writable mount (no --foreground, --read-only, --takeover)")
+        return _start_supervisor(args, paths, config)
+    if args.kill_units:
+        return _fail("--kill-unit goes with --supervise")
     if args.foreground:
         try:
             return serve(str(paths.hot), str(paths.mountpoint), config, foreground_log=True,
@@ -134,6 +144,52 @@ def cmd_mount(args: argparse.Namespace) -> int:
         f"{args.from_url} taken over into {paths.hot}" if args.takeover else paths.hot
     print(f"tierfs: mounted {src} at {paths.mountpoint} (pid {proc.pid}, log {log_file})")
     return 0
+
+
+def _mount_options(args: argparse.Namespace) -> list[str]:
+    """--config/-o of a command line, for the daemon a supervisor starts."""
+    out = ["--config", os.path.abspath(args.config)] if args.config else []
+    for o in args.options or ():
+        out += ["-o", o]
+    return out
+
+
+def _start_supervisor(args: argparse.Namespace, paths: MountPaths, config: Config) -> int:
+    """`tierfs mount --supervise`: run `tierfs supervise` in its own session; return once it serves."""
+    from tierfs.failstop import running_pids, state_file  # noqa: PLC0415
+
+    paths.state.mkdir(mode=0o700, exist_ok=True)
+    state_file(paths.hot).unlink(missing_ok=True)
+    cmd = [sys.executable, "-P", "-m", "tierfs", "supervise", str(paths.hot), str(paths.mountpoint),
+           *_mount_options(args), *[a for unit in args.kill_units or () for a in ("--kill-unit", unit)]]
+    log = paths.state / "supervisor.stderr"
+    with open(os.devnull, "rb") as devnull, open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, start_new_session=True, cwd="/")
+    deadline = time.monotonic() + 180
+    while (running := running_pids(paths.hot)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.terminate()
+            tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+            return _fail(f"supervised mount of {paths.hot} at {paths.mountpoint} failed:\n  " +
+                         "\n  ".join(tail or ["(no output)"]), 1)
+        time.sleep(0.05)
+    print(f"tierfs: supervisor pid {running[0]} (log {paths.state / 'supervisor.log'})")
+    print(f"tierfs: mounted {paths.hot} at {paths.mountpoint} (pid {running[1]}, log {paths.log_file(config)})")
+    return 0
+
+
+def cmd_supervise(args: argparse.Namespace) -> int:
+    from tierfs.failstop import supervise  # noqa: PLC0415
+    from tierfs.fs.mount import MountError, check_paths  # noqa: PLC0415
+
+    try:
+        Config.load(args.config, args.options or ())
+        paths = check_paths(args.hot_dir, args.mountpoint)
+    except (ConfigError, MountError) as e:
+        return _fail(str(e))
+    paths.state.mkdir(mode=0o700, exist_ok=True)
+    return supervise(paths.hot, paths.mountpoint, _mount_options(args), args.kill_units or ())
 
 
 def _syncfs(path: Path) -> None:
@@ -302,7 +358,24 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", dest="options", action="append", metavar="KEY=VALUE[,...]",
                    help="override configuration keys, e.g. -o mount.log_level=debug")
     m.add_argument("--foreground", "-f", action="store_true", help="serve in this process (do not daemonise)")
+    m.add_argument("--supervise", action="store_true",
+                   help="run the daemon under `tierfs supervise`: fail-stop and remount when it dies")
+    m.add_argument("--kill-unit", dest="kill_units", action="append", metavar="UNIT",
+                   help="with --supervise: systemd unit to SIGKILL when the daemon dies (besides every process "
+                        "holding files of the store)")
     m.set_defaults(func=cmd_mount, parser=m)
+    v = sub.add_parser("supervise", help="mount HOT_DIR at MOUNTPOINT and supervise the daemon (foreground): "
+                                         "when it dies, stop every process holding the store, remount",
+                       description="Fail-stop supervisor (README: When the tierfs daemon dies). For a systemd "
+                                   "unit of Type=notify.")
+    v.add_argument("hot_dir", metavar="HOT_DIR")
+    v.add_argument("mountpoint", metavar="MOUNTPOINT")
+    v.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    v.add_argument("-o", dest="options", action="append", metavar="KEY=VALUE[,...]",
+                   help="override configuration keys")
+    v.add_argument("--kill-unit", dest="kill_units", action="append", metavar="UNIT",
+                   help="systemd unit to SIGKILL when the daemon dies (besides every process holding the store)")
+    v.set_defaults(func=cmd_supervise)
     u = sub.add_parser("umount", help="flush and unmount; waits for the daemon to exit")
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.set_defaults(func=cmd_umount)

@@ -29,6 +29,7 @@ from tierfs import __version__
 from tierfs.config import Config
 from tierfs.fs.operations import DAEMON_UMASK, STATE_DIR_NAME, TierOperations
 from tierfs.fs.stats import FsStats
+from tierfs.fs.supervisor import hand_fuse_fd_to_supervisor
 
 log = logging.getLogger("tierfs.mount")
 
@@ -344,6 +345,7 @@ def serve(hot_dir: str, mountpoint: str, config: Config, foreground_log: bool = 
         options |= {"ro", "nosuid", "nodev"}  # the kernel refuses writes too; nothing from a bucket is trusted
     log.info("tierfs %s mounting %s at %s (pid %d)", __version__, paths.hot, paths.mountpoint, os.getpid())
     pyfuse3.init(ops, str(paths.mountpoint), options)
+    hand_fuse_fd_to_supervisor()  # before any request: a supervisor then holds the connection if we die
     paths.pid_file.write_text(f"{os.getpid()}\n")  # 0600 under DAEMON_UMASK
     clean = False
     try:
