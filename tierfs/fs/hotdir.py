@@ -12,6 +12,7 @@ Paths are the mount-relative paths of the inode table: "" is the hot dir itself,
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 
@@ -25,6 +26,23 @@ def pin_path(st_ino: int) -> str:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+
+
+def set_size(fd: int, size: int) -> None:
+    """ftruncate, with a grown range allocated first. A broker sizes its CommitLog and ConsumeQueue files with
+    ftruncate and fills them through a shared mapping; through FUSE's writeback cache nothing reserves the disk
+    space when a page is dirtied, so on a full hot disk the writeback failed (ENOSPC), the kernel dropped the
+    pages, and messages the broker had acknowledged were lost. Allocated here, the space is the file's: a full
+    disk refuses the ftruncate (ENOSPC, before the size changes; the broker then refuses sends) instead of the
+    data. A file system that cannot allocate ahead (EOPNOTSUPP) keeps the file sparse, as before."""
+    cur = os.fstat(fd).st_size
+    if size > cur:
+        try:
+            os.posix_fallocate(fd, cur, size - cur)  # unwritten extents: no bytes written, ~1 ms per GiB on ext4
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+    os.ftruncate(fd, size)
 
 
 def _at(rel: str) -> str:
@@ -146,6 +164,6 @@ class HotDir:
         """truncate(2) has no *at form: open for writing (what truncate checks too), ftruncate, close."""
         fd = os.open(_at(rel), os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
         try:
-            os.ftruncate(fd, size)
+            set_size(fd, size)
         finally:
             os.close(fd)

@@ -29,7 +29,7 @@ from tierfs import failpoints
 from tierfs.config import Config
 from tierfs.fs import control
 from tierfs.fs.control import ControlDir
-from tierfs.fs.hotdir import PINNED_DIR, HotDir, pin_path
+from tierfs.fs.hotdir import PINNED_DIR, HotDir, pin_path, set_size
 from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
@@ -319,7 +319,7 @@ class TierOperations(pyfuse3.Operations):
             if self.engine is not None and self.engine.appendlog is not None:
                 self.engine.appendlog.note_truncate(inode, attr.st_size)
             if fd is not None:
-                os.ftruncate(fd, attr.st_size)
+                set_size(fd, attr.st_size)
             else:
                 self.hotdir.truncate(rel, attr.st_size)
         if fields.update_mode:

@@ -1,0 +1,94 @@
+"""A full hot disk never loses bytes a writer was told are written (issue 28: the broker fault suite found
+acknowledged messages lost when the hot dir filled up).
+
+A broker sizes its CommitLog and ConsumeQueue files with ftruncate and fills them through a shared mapping. Through
+FUSE's writeback cache nothing reserves disk space when a mapped page is dirtied: on a full hot disk the writeback
+WRITE failed with ENOSPC and the kernel dropped the pages. The hot dir here is a small ext4 file system on a loop
+device, filled up by another writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SIZE = 8 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 48 MiB ext4 file system on a loop device (set up before the mount, so torn down after it)."""
+    img, mnt = tmp_path / "disk.img", tmp_path / "disk"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(48 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True, capture_output=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
+def _fill(path: Path) -> int:
+    """Write to `path` until the disk is full; the bytes written."""
+    n, chunk = 0, b"\x55" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                n += f.write(chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+                break
+        try:
+            os.fsync(f.fileno())
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    for small in (1 << 16, 4096, 1):  # what the 1 MiB writes left
+        with open(path, "ab", buffering=0) as f:
+            try:
+                while True:
+                    n += f.write(b"\x55" * small)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    return n
+
+
+def test_a_file_sized_by_ftruncate_keeps_its_space_when_the_disk_fills(small_disk, mount_store):
+    """Size a file with ftruncate through the mount, let another writer fill the disk, then fill the file through
+    a shared mapping and msync: every byte is kept, and reads back after a remount. A file sized once the disk is
+    full is refused at the ftruncate (ENOSPC), not when its pages are written back. Old code: the msync failed
+    (ENOSPC from the writeback) and the pages were gone, and the second ftruncate succeeded on a full disk."""
+    m = mount_store(hot=small_disk / "hot")
+    seg = m.mnt / "commitlog" / f"{0:020d}"
+    seg.parent.mkdir()
+    fd = os.open(seg, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, SIZE)
+        assert _fill(m.hot / "filler") > 0
+        with mmap.mmap(fd, SIZE, mmap.MAP_SHARED) as mm:
+            for off in range(0, SIZE, 4096):
+                mm[off:off + 4096] = (off // 4096).to_bytes(4, "big") * 1024
+            mm.flush()  # msync: the writeback of every page must succeed
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    late = m.mnt / "commitlog" / f"{SIZE:020d}"
+    fd = os.open(late, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(OSError) as refused:
+            os.ftruncate(fd, SIZE)
+        assert refused.value.errno == errno.ENOSPC
+        assert os.fstat(fd).st_size == 0, "a refused ftruncate changed the size"
+    finally:
+        os.close(fd)
+    (m.hot / "filler").unlink()  # the operator frees space; the remount reads what the disk kept
+    m.remount()
+    data = (m.mnt / "commitlog" / f"{0:020d}").read_bytes()
+    bad = [off for off in range(0, SIZE, 4096) if data[off:off + 4096] != (off // 4096).to_bytes(4, "big") * 1024]
+    assert not bad, f"{len(bad)} pages of {SIZE // 4096} lost on the full disk, first at {bad[0]}"
