@@ -508,7 +508,7 @@ class AppendLog:
         """The walked regular files that are not tiered (those may hold unwritten pages). On the trio thread."""
         out = []
         for rel, st in stats.items():
-            e = self.eng.entries.get(rel)
+            e = self.eng.by_ino.get(st.st_ino)
             if e is None or e.state is not State.TIERED:
                 out.append((rel, st))
         return out

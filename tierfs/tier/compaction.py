@@ -94,7 +94,7 @@ async def hold_outputs(eng: Engine, job_id: str, inp: dict) -> None:
 
 
 def seg_record(e: Entry) -> dict:
-    return {"path": e.path, "kind": e.kind, "generation": e.generation, "size": e.size, "format": e.format,
+    return {"path": e.path, "file_id": e.file_id, "kind": e.kind, "generation": e.generation, "size": e.size, "format": e.format,
             "chunk_bytes": e.chunk_bytes, "block_bytes": e.block_bytes, "crc32c": e.crc32c,
             "block_crcs": e.block_crcs, "objects": e.objects}
 
@@ -295,6 +295,11 @@ class Compactor:
 
     async def _apply_dir(self, d: Path) -> dict:
         result = json.loads((d / "result.json").read_text())
+        inp = json.loads((d / "input.json").read_text())
+        # a result row names a segment by path and generation; the file is found by the id the input named for
+        # that generation (generations are never reused), whatever its name is now
+        fids = {int(r["generation"]): int(r["file_id"]) for k in ("segments", "indexes", "commitlogs")
+                for r in inp.get(k) or [] if "file_id" in r}
         t0 = time.time()
         await failpoints.pause("compaction.before_swap")  # tests: "sleep:S" lets the mount run meanwhile
         applied = {"segments": 0, "indexes": 0, "archive": 0}
@@ -303,7 +308,7 @@ class Compactor:
         grace = float(self.config["delete.grace_seconds"])
         eng = self.eng
         for row in result.get("segments") or []:
-            why = await self._apply_segment(row, grace)
+            why = await self._apply_segment(row, self._entry_of(row, fids), grace)
             if why is None:
                 applied["segments"] += 1
             elif why == "skipped":
@@ -312,8 +317,8 @@ class Compactor:
                 errors.append({"stage": "segments", "path": row["path"], "error": why})
         arts: list[Artifact] = []
         for row in result.get("indexes") or []:
-            e = eng.entries.get(row["path"])
-            if e is None or e.state is not State.TIERED or e.generation != row["generation"]:
+            e = self._entry_of(row, fids)
+            if e is None or e.state is not State.TIERED:
                 skipped.append({"stage": "index", "path": row["path"], "error": "changed since the job read it"})
                 continue
             try:
@@ -321,10 +326,12 @@ class Compactor:
             except Exception as err:  # noqa: BLE001 - any failure means: do not use this sidecar
                 errors.append({"stage": "index", "path": row["path"], "error": f"sidecar rejected: {err}"})
                 continue
-            arts.append(Artifact(row["path"], "cidx", row["generation"], [row["key"]],
+            arts.append(Artifact(e.path, "cidx", row["generation"], [row["key"]],
                                  {"bytes": row["bytes"], "crc32c": row["crc32c"], "header": header.hex()}))
         for row in result.get("archive") or []:
-            arts.append(Artifact(row["path"], "archive", row["generation"], list(row.get("keys") or []),
+            e = self._entry_of(row, fids)  # renamed since: the artifact follows the file (gone: its last name)
+            arts.append(Artifact(e.path if e is not None else row["path"], "archive", row["generation"],
+                                 list(row.get("keys") or []),
                                  {"rows": row.get("rows", 0), "bytes": row.get("bytes", 0)}))
         if arts:
             new_cidx = {a.path: a for a in arts if a.kind == "cidx"}
@@ -346,10 +353,15 @@ class Compactor:
                  len(summary["skipped"]), len(summary["errors"]))
         return summary
 
-    async def _apply_segment(self, row: dict, grace: float) -> str | None:
-        """Verify one lz4c object against the catalog and swap the entry. None when swapped, else why not."""
+    def _entry_of(self, row: dict, fids: dict[int, int]) -> Entry | None:
+        """The live entry of the file a result row is about, if it is still at the row's generation."""
+        fid = fids.get(int(row["generation"]))
+        e = self.eng.files.get(fid) if fid is not None else None
+        return e if e is not None and e.generation == row["generation"] else None
+
+    async def _apply_segment(self, row: dict, e: Entry | None, grace: float) -> str | None:
+        """Verify one lz4c object against the catalog and swap the entry `e`. None when swapped, else why not."""
         eng = self.eng
-        e = eng.entries.get(row["path"])
         if e is not None and e.format == "lz4c" and e.objects == [row["key"]]:
             return None  # swapped by an earlier attempt at this result
         if e is None or e.state is not State.TIERED or e.generation != row["generation"] or e.format != "raw":
