@@ -88,27 +88,34 @@ def test_a_takeover_keeps_a_hard_linked_active_file_one_file(tmp_path, mount_sto
     nlink 1, each sealed with its own id), so a write through one name no longer shows through the other. A
     hard link is one file on the writer, and must be one on the takeover too (as it is for tiered files:
     test_identity.test_a_hard_linked_tiered_file_survives_a_takeover_as_one_file)."""
-    import shutil
-    import signal
-    import time
-
-    from test_rpo import RPO, takeover, wait_round_after
+    from test_rpo import RPO
 
     (tmp_path / "objects").mkdir()
     url = f"file://{tmp_path / 'objects'}"
     opts = [OPTS, f"objectstore.url={url},store.id=hotlinks,tiering.rpo_seconds={RPO},lease.ttl_seconds=60,"
                   "compaction.enabled=false,seal.quiet_seconds=3600"]  # nothing seals: the file stays active
     a = mount_store(options=opts)
-    first, second = f"{TOPIC}/0/{0:020d}", f"{TOPIC}/1/{0:020d}"
+    names = [f"{TOPIC}/0/{0:020d}", f"{TOPIC}/1/{0:020d}"]
     (a.mnt / TOPIC / "1").mkdir(parents=True)
-    write_segment(a, first, units(300, 4))
-    os.link(a.mnt / first, a.mnt / second)
-    wait_round_after(a, time.time())  # a point that has both names
-    a.kill(signal.SIGKILL)
-    shutil.rmtree(a.hot)
-
-    b, _ = takeover(tmp_path, f"{url}/hotlinks", opts, "b")
+    write_segment(a, names[0], units(300, 4))
+    os.link(a.mnt / names[0], a.mnt / names[1])
+    b = lose_the_writer_and_take_over(tmp_path, a, f"{url}/hotlinks", opts)
     try:
-        assert os.stat(b.mnt / first).st_ino == os.stat(b.mnt / second).st_ino, "two files where there was one"
+        assert len({os.stat(b.mnt / rel).st_ino for rel in names}) == 1, "two files where there was one"
     finally:
         b.cleanup()
+
+
+def lose_the_writer_and_take_over(tmp_path, a, src: str, opts: list[str]):
+    """Once a continuous-tiering round that started now has published its point, the writer `a` is killed with
+    its hot dir; the takeover mount (the caller cleans it up) from `src` is returned."""
+    import shutil
+    import signal
+    import time
+
+    from test_rpo import takeover, wait_round_after
+
+    wait_round_after(a, time.time())
+    a.kill(signal.SIGKILL)
+    shutil.rmtree(a.hot)
+    return takeover(tmp_path, src, opts, "b")[0]
