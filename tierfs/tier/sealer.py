@@ -178,6 +178,7 @@ class Sealer:
             log.info("probed %s", ", ".join(f"{rel}: {v[0]}" for rel, v in probes))
             await failpoints.pause("seal.probed")
         sealed: list[tuple[Entry, Entry | None, int, str]] = []  # entry, the one it replaces, seq, why
+        batch: set[int] = set()  # the inodes in `sealed`
         flush: list[tuple[str, int, tuple[int, int]]] = []
         for rel, verdict in probes:
             what = verdict[0]
@@ -217,6 +218,8 @@ class Sealer:
                 continue
             if (e is not None and (e.state is not State.HOT or e.path != rel)) or rel in self.untierable:
                 continue
+            if st.st_ino in batch:  # another name (a hard link) of a file this batch seals: one file, one row
+                continue
             if self._ns_changes != ns0:  # unlinks or renames since the probe: seal only what is still there
                 try:
                     if os.lstat(eng.hot / rel).st_ino != st.st_ino:
@@ -229,6 +232,7 @@ class Sealer:
                           block_bytes=eng.block, state_since=time.time(),
                           file_id=e.file_id if e is not None else 0, ino=st.st_ino)
             sealed.append((entry, e, seq, why))
+            batch.add(st.st_ino)
         if flush:
             eng.start_soon(self._flush_through_mount, flush)
         if sealed:
