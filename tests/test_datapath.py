@@ -90,7 +90,8 @@ def test_read_ahead_gets_fit_a_budget_smaller_than_one_get(mount_store, store_4m
 
     from tierfs.tier.blockcache import BlockCache
 
-    plan = BlockCache(SimpleNamespace(config={"readahead.budget_bytes": 2 * MiB, "cache.unit_tables_bytes": MiB}))
+    plan = BlockCache(SimpleNamespace(config={"readahead.budget_bytes": 2 * MiB, "cache.unit_tables_bytes": MiB,
+                                              "mount.max_store_waiters": 48}))
     assert plan._group_blocks(64 << 10) == 8  # 512 KiB GETs
     assert plan._group_blocks(MiB) == 1
     plan.eng.config["readahead.budget_bytes"] = 256 * MiB  # the default: 16 MiB GETs

@@ -251,7 +251,9 @@ def test_second_writer_refused_naming_the_holder(mount_store, tmp_path):
 def test_lease_of_a_killed_writer_is_taken_over_after_the_ttl(mount_store, tmp_path):
     objects = tmp_path / "objects"
     objects.mkdir()
-    opts = writer_opts(objects, "store-d", ",lease.ttl_seconds=5")
+    # a ttl long enough that the second mount's first attempt (a CLI start, slow on a busy machine: it once came
+    # after a 5 s ttl and was let in at once) certainly comes before it expires
+    opts = writer_opts(objects, "store-d", ",lease.ttl_seconds=15")
     a = mount_store(options=opts)
     a.kill(signal.SIGKILL)
     a.mount()  # same hot dir: the holder restarting after a crash takes its own lease over at once
@@ -261,8 +263,8 @@ def test_lease_of_a_killed_writer_is_taken_over_after_the_ttl(mount_store, tmp_p
     b = mount_store(options=opts, mount=False)
     res = b._cli_mount()
     assert res.returncode != 0 and f"hot dir {a.hot}" in res.stderr, res.stderr
-    deadline = time.monotonic() + 30
-    while True:  # refused until the lease expires (5 s after its last renewal), then taken over
+    deadline = time.monotonic() + 60
+    while True:  # refused until the lease expires (15 s after its last renewal), then taken over
         try:
             b.mount()
             break
@@ -272,7 +274,7 @@ def test_lease_of_a_killed_writer_is_taken_over_after_the_ttl(mount_store, tmp_p
             time.sleep(0.5)
     took = time.monotonic() - killed_at
     assert status(b.mnt)["lease"]["held"]
-    assert 2 <= took <= 20, took
+    assert 2 <= took <= 45, took
     assert "taken over from epoch" in b.log_text()
 
 

@@ -28,14 +28,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
 
 
-def set_size(fd: int, size: int) -> None:
+def set_size(fd: int, size: int, reserve: bool) -> None:
     """ftruncate, with a grown range allocated first. A broker sizes its CommitLog and ConsumeQueue files with
     ftruncate and fills them through a shared mapping; through FUSE's writeback cache nothing reserves the disk
     space when a page is dirtied, so on a full hot disk the writeback failed (ENOSPC), the kernel dropped the
     pages, and messages the broker had acknowledged were lost. Allocated here, the space is the file's: a full
     disk refuses the ftruncate (ENOSPC, before the size changes; the broker then refuses sends) instead of the
-    data. A file system that cannot allocate ahead (EOPNOTSUPP) keeps the file sparse, as before."""
-    cur = os.fstat(fd).st_size
+    data (mount.reserve_on_truncate; off, the file stays sparse as on a native disk). A file system that cannot
+    allocate ahead (EOPNOTSUPP) keeps the file sparse."""
+    cur = os.fstat(fd).st_size if reserve else size
     if size > cur:
         try:
             os.posix_fallocate(fd, cur, size - cur)  # unwritten extents: no bytes written, ~1 ms per GiB on ext4
@@ -160,10 +161,10 @@ class HotDir:
     def readlink(self, rel: str) -> str:
         return os.readlink(rel, dir_fd=self.fd)
 
-    def truncate(self, rel: str, size: int) -> None:
+    def truncate(self, rel: str, size: int, reserve: bool = False) -> None:
         """truncate(2) has no *at form: open for writing (what truncate checks too), ftruncate, close."""
         fd = os.open(_at(rel), os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
         try:
-            set_size(fd, size)
+            set_size(fd, size, reserve)
         finally:
             os.close(fd)

@@ -318,10 +318,11 @@ class TierOperations(pyfuse3.Operations):
                 self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
             if self.engine is not None and self.engine.appendlog is not None:
                 self.engine.appendlog.note_truncate(inode, attr.st_size)
+            reserve = bool(self.config["mount.reserve_on_truncate"])
             if fd is not None:
-                set_size(fd, attr.st_size)
+                set_size(fd, attr.st_size, reserve)
             else:
-                self.hotdir.truncate(rel, attr.st_size)
+                self.hotdir.truncate(rel, attr.st_size, reserve)
         if fields.update_mode:
             st = self._stat_inode(inode)
             if not stat.S_ISLNK(st.st_mode):
