@@ -36,8 +36,7 @@ def set_size(fd: int, size: int, reserve: bool) -> None:
     disk refuses the ftruncate (ENOSPC, before the size changes; the broker then refuses sends) instead of the
     data (mount.reserve_on_truncate; off, the file stays sparse as on a native disk). A file system that cannot
     allocate ahead (EOPNOTSUPP) keeps the file sparse."""
-    cur = os.fstat(fd).st_size if reserve else size
-    if size > cur:
+    if reserve and size > (cur := os.fstat(fd).st_size):
         try:
             os.posix_fallocate(fd, cur, size - cur)  # unwritten extents: no bytes written, ~1 ms per GiB on ext4
         except OSError as e:

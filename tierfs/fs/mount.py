@@ -30,10 +30,10 @@ from tierfs.config import Config
 from tierfs.fs.operations import DAEMON_UMASK, STATE_DIR_NAME, TierOperations
 from tierfs.fs.stats import FsStats
 from tierfs.fs.supervisor import hand_fuse_fd_to_supervisor
+from tierfs.tier.storewait import KEY as STORE_WAITERS_KEY
 
 log = logging.getLogger("tierfs.mount")
 
-STORE_WAITERS_KEY = "mount.max_store_waiters"
 HOT_BACKGROUND = 16  # background requests kept for hot files' writeback (hot_background_reserve)
 UMOUNT_WAIT_S = 60.0  # how long `tierfs umount` waits for the daemon to exit after the unmount
 SHUTDOWN_DEADLINE_S = UMOUNT_WAIT_S - 5.0
