@@ -80,8 +80,6 @@ def test_objects_put_before_a_crash_are_not_left_behind_by_a_rename(mount_store)
     wait_for(lambda: not orphans(m), timeout=20, interval=1, what=f"no orphaned object (left: {orphans(m)})")
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed here (snapshot/takeover are being changed by others): "
-                                       "a snapshot records the hard links of tiered files only")
 def test_a_takeover_keeps_a_hard_linked_active_file_one_file(tmp_path, mount_store):
     """The walk (seed 1, a takeover at step 170; caught by its identity check: two catalog rows for one file)
     after a hard link of a segment not tiered yet: the takeover built its names as two files (two inodes, each

@@ -181,13 +181,19 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
     snap_db.write_bytes(data)
     files, tree = snap.load_snapshot(snap_db, store_id, state.name)
     tails = snap.load_tails(snap_db, store_id, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
-    snap.build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree)
+    # a hard-linked file is one inode here as on the writer: its further names are link(2)s of the name its
+    # content comes by, and only that name's row is read (a tiered row, a blob, a tail)
+    hard_links = snap.load_links(snap_db, {e.path for e, *_ in files} | {t.path for t in tails})
+    snap.build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree, hard_links)
+    tails = [t for t in tails if t.path not in hard_links]
     bpre = snap.blob_prefix(store_id)
     tiered: list[Entry] = []
-    linked: dict[tuple, Entry] = {}  # a hard-linked file is a row per name with one id: one inode here too
+    linked: dict[tuple, Entry] = {}  # a point without snapshot_links: a tiered file's names share its file id
     local_bytes = 0
     try:
         for e, *_ in files:
+            if e.path in hard_links:
+                continue
             if e.objects and all(k.startswith(bpre) for k in e.objects):
                 local_bytes += _write_blob_file(store, hot, e)  # a mutable (or not yet sealed) file: local
             elif e.objects:
@@ -208,7 +214,8 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
     snap_db.unlink(missing_ok=True)
     info = {"done": True, "seq": ptr.seq, "time": ptr.time, "writer": ptr.writer, "epoch": lease.epoch,
             "overrode": cur.holder if cur is not None and cur.live(time.time()) else "",
-            "files_local": len(files) - len(tiered) + len(tails), "files_tiered": len(tiered),
+            "files_local": sum(e.path not in hard_links for e, *_ in files) - len(tiered) + len(tails),
+            "files_tiered": len(tiered),
             "bytes_local": local_bytes, "next_id": nxt, "seconds": round(time.monotonic() - t0, 3),
             "age_s": round(time.time() - ptr.time, 3)}
     marker.write_text(json.dumps(info) + "\n")
