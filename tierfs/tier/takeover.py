@@ -14,9 +14,12 @@ On a machine with an empty HOT_DIR, before the engine opens its catalog:
    since);
 4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes and the
    objects its referrers held (its open files and running jobs are gone with it), all queued, due after the
-   grace period, and pipeline artifacts; and an id sequence moved far above the old writer's (ID_GAP). Deletion
-   safety is the reference authority's (tierfs.tier.references): an imported delete of an object the new
-   catalog still names (a row, an active tail, a kept snapshot) is refused like any other.
+   grace period, and pipeline artifacts; and an id sequence moved far above the old writer's (ID_GAP);
+5. queue every segment object in the store that the new catalog does not name (`_queue_unnamed`): the old writer's
+   uploads and compactions after the point (their rows are not in it, and the new writer never learns of them)
+   would otherwise stay in the bucket for good.
+Deletion safety is the reference authority's (tierfs.tier.references): an imported delete of an object the new
+catalog still names (a row, an active tail, a kept snapshot) is refused like any other.
 
 An unmodified broker then starts on the mount: `abort` is present (the old one never shut down), so it runs its
 abnormal recovery on a store that holds every byte that was durable `tiering.rpo_seconds` before the loss.
@@ -37,7 +40,7 @@ import crc32c
 
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
-from tierfs.tier import appendlog
+from tierfs.tier import appendlog, layout
 from tierfs.tier import snapshot as snap
 from tierfs.tier.catalog import Catalog, Entry
 from tierfs.tier.lease import WriterLease
@@ -144,6 +147,21 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tail
     return nxt
 
 
+def _queue_unnamed(store: ObjectStore, store_id: str, state: Path, not_before: float) -> int:
+    """Queue, due at `not_before`, every object under the store's seg/ that no row or artifact of the new catalog
+    names: nothing of this writer exists yet, so each is the lost writer's, put after the point or queued by it
+    before (the queue entry is the same). The reference authority still decides: a key a kept snapshot names
+    waits for it."""
+    cat = Catalog(state / "catalog.db")
+    try:
+        named = {k for e in cat.load_all() for k in e.all_objects()} | {k for a in cat.artifacts() for k in a.keys}
+        unnamed = [i.key for i in store.list(layout.segment_prefix(store_id)) if i.key not in named]
+        cat.queue_deletes(unnamed, not_before)
+    finally:
+        cat.close()
+    return len(unnamed)
+
+
 def prepare_takeover(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: TakeoverSpec,
                      ttl: float, grace: float) -> dict:
     """Take the lease and bring HOT/STATE up from the newest consistent point. Blocking; TakeoverError,
@@ -211,13 +229,14 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
     offsets = [(t.path, os.lstat(hot / t.path).st_ino, max((o.end for o in t.objects), default=0), t.slots,
                 appendlog.encode_objects(t.objects)) for t in tails]
     nxt = _catalog(state, snap_db, tiered, grace, offsets)
+    unnamed = _queue_unnamed(store, store_id, state, time.time() + grace)
     snap_db.unlink(missing_ok=True)
     info = {"done": True, "seq": ptr.seq, "time": ptr.time, "writer": ptr.writer, "epoch": lease.epoch,
             "overrode": cur.holder if cur is not None and cur.live(time.time()) else "",
             "files_local": sum(e.path not in hard_links for e, *_ in files) - len(tiered) + len(tails),
             "files_tiered": len(tiered),
-            "bytes_local": local_bytes, "next_id": nxt, "seconds": round(time.monotonic() - t0, 3),
-            "age_s": round(time.time() - ptr.time, 3)}
+            "bytes_local": local_bytes, "next_id": nxt, "unnamed_objects_queued": unnamed,
+            "seconds": round(time.monotonic() - t0, 3), "age_s": round(time.time() - ptr.time, 3)}
     marker.write_text(json.dumps(info) + "\n")
     log.warning("took over store id %s from snapshot %d (taken %.1f s ago by %s): %d files local (%d bytes), "
                 "%d tiered, lease epoch %d%s", store_id, ptr.seq, info["age_s"], ptr.writer, info["files_local"],
