@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from mountutil import wait_for
 from test_identity import OPTS, assert_reads, files_by_path, units, write_segment
 
@@ -53,9 +51,6 @@ def orphans(m) -> list[str]:
     return [f["key"] for f in json.loads(res.stdout)["findings"] if f["kind"] == "orphan_object"]
 
 
-@pytest.mark.xfail(strict=True, reason="known leak, not fixed here (uploader/engine are being changed by others): "
-                                       "segment objects are keyed by the path at upload time, and nothing deletes "
-                                       "the objects of an upload whose commit a crash lost once the row moved")
 def test_objects_put_before_a_crash_are_not_left_behind_by_a_rename(mount_store):
     """The walk's `tierfs fsck` at rest found objects no row or pending delete names (seeds 1, 27 and random
     ones, after kill -9 steps and after takeovers). One way: a segment's chunks are PUT under its name, the file
@@ -80,8 +75,6 @@ def test_objects_put_before_a_crash_are_not_left_behind_by_a_rename(mount_store)
     wait_for(lambda: not orphans(m), timeout=20, interval=1, what=f"no orphaned object (left: {orphans(m)})")
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed here (snapshot/takeover are being changed by others): "
-                                       "a snapshot records the hard links of tiered files only")
 def test_a_takeover_keeps_a_hard_linked_active_file_one_file(tmp_path, mount_store):
     """The walk (seed 1, a takeover at step 170; caught by its identity check: two catalog rows for one file)
     after a hard link of a segment not tiered yet: the takeover built its names as two files (two inodes, each

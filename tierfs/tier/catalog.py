@@ -470,6 +470,19 @@ class Catalog:
             db.executemany("INSERT OR IGNORE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
         return len(keys)
 
+    def hold_refs_many(self, refs: list[tuple[str, str]]) -> None:
+        """Several holders' (key, holder) references in one transaction (an upload batch registers its keys)."""
+        with self._transaction() as db:
+            db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", refs)
+
+    def end_refs(self, settled: list[str], released: list[str], not_before: float) -> None:
+        """In one transaction: `settled` holders go without a delete (a committed row names their keys, or the
+        commit queued them), `released` ones like `release_refs` (their keys queued after `not_before`)."""
+        with self._transaction() as db:
+            keys = [r[0] for h in released for r in db.execute("SELECT key FROM object_refs WHERE holder=?", (h,))]
+            db.executemany("DELETE FROM object_refs WHERE holder=?", [(h,) for h in settled + released])
+            db.executemany("INSERT OR IGNORE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
+
     def holders(self, prefix: str) -> list[str]:
         """Every holder whose name starts with `prefix` (e.g. the compaction jobs that registered outputs)."""
         with self._lock:

@@ -58,7 +58,7 @@ from tierfs.tier import identity
 from tierfs.tier.lease import WriterLease
 from tierfs.tier.namespace import Namespace, storable
 from tierfs.tier.primer import Primer
-from tierfs.tier.references import References
+from tierfs.tier.references import UPLOAD, References
 from tierfs.tier.sealer import Sealer
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
@@ -216,6 +216,10 @@ class Engine:
             held = self.catalog.release_held_deletes(now + grace)
             if held:
                 log.info("%d object deletes held for files open at the last unmount fall due in %.0f s", held, grace)
+            # uploads the last daemon did not finish (tierfs.tier.uploader): what they put goes unless a row names it
+            put = self.references.release_all(UPLOAD, now + grace)
+            if put:
+                log.info("%d objects of uploads the last daemon did not finish are queued for deletion", put)
         trusted = self.catalog.get_meta("identity") == "stamped"
         rows = self.catalog.load_all()
         found: dict[int, tuple[str, os.stat_result, int | None]] = {}  # file id -> (path, lstat, stamp)

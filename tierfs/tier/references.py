@@ -7,6 +7,11 @@ and every referrer registers here:
 - live rows, artifacts and the append objects of active files name their objects in the catalog itself;
 - an unlinked file still open holds its objects (`held:<file id>` in the catalog's `object_refs`, until its last
   close or the next mount: no process holds a file of an earlier daemon);
+- an upload holds the object keys it will put (`upload:<file id>`) durably before its first PUT, until the
+  commit that names them (or queues them) lands; a failed upload releases them (queued), and the next mount
+  releases every one an earlier daemon left (`release_all`): so every object a daemon that died put is named by a
+  row or queued for deletion, and a row that names one keeps it (a queued delete of a key a live row names is
+  dropped, never done). A takeover queues the refs of its point like every other (tierfs.tier.takeover);
 - a compaction job holds the outputs it may write (`job:<job id>`) from before it starts until its result is
   applied (or it failed): what no row took over is then queued, so a failed or skipped job leaks nothing and a
   running one loses nothing;
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tierfs.tier.catalog import Catalog
 
+UPLOAD = "upload:"  # object_refs holder of an upload in progress, followed by its file id
 SNAPSHOT_RETRY_S = 5.0  # a due delete a snapshot still names is asked about again this much later
 
 
@@ -119,14 +125,34 @@ class References:
         """Blocking: `holder` refers to `keys` from now on (register before writing or using them). Raises
         BeingDeleted when a delete already took one: the holder must not rely on it."""
         with self._lock:
-            taken = set(keys) & self._deleting
-            if taken:
-                raise BeingDeleted(f"{len(taken)} objects {holder} would hold are being deleted, e.g. {min(taken)}")
+            self._refuse_deleting(keys, holder)
             self._catalog.hold_refs(holder, keys)
+
+    def hold_many(self, holds: dict[str, list[str]]) -> None:
+        """Blocking: `hold` for several holders in one catalog transaction (all or none of them)."""
+        with self._lock:
+            self._refuse_deleting([k for keys in holds.values() for k in keys], ", ".join(holds))
+            self._catalog.hold_refs_many([(k, h) for h, keys in holds.items() for k in keys])
+
+    def _refuse_deleting(self, keys: list[str], who: str) -> None:
+        """(under the lock) BeingDeleted when a delete already took one of `keys`."""
+        taken = set(keys) & self._deleting
+        if taken:
+            raise BeingDeleted(f"{len(taken)} objects {who} would hold are being deleted, e.g. {min(taken)}")
 
     def release(self, holder: str, not_before: float) -> int:
         """Blocking: `holder` is done; its objects go after `not_before` unless something else refers to them."""
         return self._catalog.release_refs(holder, not_before)
+
+    def settle(self, settled: list[str], released: list[str], not_before: float) -> None:
+        """Blocking, in one transaction: `settled` holders are done and a committed change names or queued their
+        objects (nothing to queue); `released` ones as `release`."""
+        self._catalog.end_refs(settled, released, not_before)
+
+    def release_all(self, prefix: str, not_before: float) -> int:
+        """Blocking: release every holder whose name starts with `prefix` (at mount: an earlier daemon's holders,
+        which ended with it)."""
+        return sum(self._catalog.release_refs(h, not_before) for h in self._catalog.holders(prefix))
 
     def claim(self, now: float, limit: int = 1000) -> list[str]:
         """Blocking: the queued deletes due at `now` that nothing refers to, reserved until `done` (call it

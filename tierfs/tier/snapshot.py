@@ -96,7 +96,11 @@ CREATE TABLE snapshot_files ({', '.join(c + (' TEXT PRIMARY KEY' if c == 'path' 
 CREATE TABLE snapshot_tree (path TEXT PRIMARY KEY, type TEXT NOT NULL, mode INTEGER NOT NULL,
                             uid INTEGER NOT NULL, gid INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, target TEXT);
 CREATE TABLE snapshot_info (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE snapshot_links (path TEXT PRIMARY KEY, target TEXT NOT NULL);
 """
+# snapshot_links: every further name of a file with several (hard links), and the name its content comes by. A
+# file that is tiered says so by its file id too, one that is not (blobs, a tail) only here. Additive: a reader
+# that predates the table builds such names as separate files, as it always did; a point without it links none.
 
 
 class SnapshotError(ValueError):
@@ -233,18 +237,35 @@ def _row_keys(objects: str, unit_ref: str) -> list[str]:
     return json.loads(objects) + ([table] if table else [])
 
 
+def link_names(names: list[str], stats: dict[str, os.stat_result], prefer: set[str]) -> dict[str, str]:
+    """{further name: the name its content comes by} for every hot inode the walk found under several of `names`:
+    one file, whatever its tier state, so a reader can build its names as one inode (link(2)). The first name in
+    `prefer` (the tails: their objects are the freshest upload), else the first in order, carries the content."""
+    by_ino: dict[int, list[str]] = {}
+    for rel in sorted(names):
+        by_ino.setdefault(stats[rel].st_ino, []).append(rel)
+    out: dict[str, str] = {}
+    for group in (g for g in by_ino.values() if len(g) > 1):
+        first = next((rel for rel in group if rel in prefer), group[0])
+        out.update((rel, first) for rel in group if rel != first)
+    return out
+
+
 def _rows_and_digest(tiered: dict[str, Entry], stats: dict[str, os.stat_result], blobs: dict[str, tuple],
                      tree: list[tuple], tails: dict[str, appendlog.TailRow] | None = None
-                     ) -> tuple[dict[str, tuple], bytes, set[str]]:
+                     ) -> tuple[dict[str, tuple], bytes, set[str], dict[str, str]]:
     """Every snapshot_files row, a digest of what a reader would see (an unchanged store is not uploaded again),
-    and every object the snapshot names."""
+    every object the snapshot names, and its hard links (`link_names`)."""
     rows = {**blobs, **{rel: _file_row(e, stats[rel]) for rel, e in tiered.items()}}
-    tail_rows = sorted(t.encode() + (t.slots,) for t in (tails or {}).values())
+    tails = tails or {}
+    links = link_names([*rows, *tails], stats, set(tails))
+    tail_rows = sorted(t.encode() + (t.slots,) for t in tails.values())
     # a verification table is fixed by its row's generation: its length stands for it (repr of megabytes is slow)
     brief = {k: r[:_UNIT_CRCS] + (len(r[_UNIT_CRCS]),) + r[_UNIT_CRCS + 1:] for k, r in rows.items()}
-    digest = hashlib.sha256(repr((sorted(brief.items()), sorted(tree), tail_rows)).encode()).digest()
+    digest = hashlib.sha256(repr((sorted(brief.items()), sorted(tree), tail_rows, sorted(links.items())))
+                            .encode()).digest()
     keys = {k for r in rows.values() for k in _row_keys(r[_OBJECTS], r[_UNIT_REF])}
-    return rows, digest, keys | {o.key for t in (tails or {}).values() for o in t.objects}
+    return rows, digest, keys | {o.key for t in tails.values() for o in t.objects}, links
 
 
 class Snapshotter:
@@ -380,14 +401,16 @@ class Snapshotter:
                                     f"{min(todo)}")
             for rel in [r for r in self._files if r not in stats]:
                 del self._files[rel]
-            rows, digest, keys = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree, tails)
+            rows, digest, keys, links = await trio.to_thread.run_sync(_rows_and_digest, tiered, stats, blobs, tree,
+                                                                      tails)
             if digest == self._last_digest and not force:
                 tmp.unlink(missing_ok=True)
                 self.skipped += 1
                 log.debug("%s catalog snapshot skipped: nothing changed since seq %s", reason, self._seq)
                 return None
             seq = await trio.to_thread.run_sync(self._next_seq)
-            crc, size = await trio.to_thread.run_sync(self._finish_db, tmp, seq, rows, tree, started, reason, tails)
+            crc, size = await trio.to_thread.run_sync(self._finish_db, tmp, seq, rows, tree, started, reason, tails,
+                                                      links)
             flight.name(keys)  # the blobs too (uploaded by this snapshot: no other delete can take them)
             flight.publish(seq)  # before its pointer can go up: a failed publish stays held until the next prune
             ptr = Pointer(seq=seq, key=snapshot_key(self.sid, seq), time=started, crc32c=crc, size=size,
@@ -559,7 +582,8 @@ class Snapshotter:
         return self._seq + 1
 
     def _finish_db(self, tmp: Path, seq: int, rows: dict[str, tuple], tree: list[tuple], started: float,
-                   reason: str, tails: dict[str, appendlog.TailRow] | None = None) -> tuple[int, int]:
+                   reason: str, tails: dict[str, appendlog.TailRow] | None = None,
+                   links: dict[str, str] | None = None) -> tuple[int, int]:
         """Add the reader's tables to the catalog copy; return (crc32c, size) of the finished file."""
         db = sqlite3.connect(str(tmp), isolation_level=None)
         try:
@@ -574,6 +598,7 @@ class Snapshotter:
                            [t.encode() for t in (tails or {}).values()])
             db.executemany("INSERT INTO snapshot_index_slots VALUES (?, ?)",
                            [(t.path, t.slots) for t in (tails or {}).values() if t.slots])
+            db.executemany("INSERT INTO snapshot_links VALUES (?, ?)", sorted((links or {}).items()))
             info = {"format": FORMAT, "seq": seq, "time": started, "reason": reason, "store_id": self.sid,
                     "host": os.uname().nodename, "hot_dir": str(self.eng.hot)}
             db.executemany("INSERT INTO snapshot_info VALUES (?, ?)", [(k, json.dumps(v)) for k, v in info.items()])
@@ -761,14 +786,36 @@ def wipe_local(hot: Path, state: Path) -> None:
         (state / name).unlink(missing_ok=True)
 
 
-def build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[tuple]) -> None:
-    """Directories, then sparse files (true size, mode, owner, mtime; no data), then symlinks, then directory
-    attributes. Parents must be directories of the snapshot (implied ones are made): no path ever passes through
-    a symlink, whatever the snapshot says."""
+def load_links(db_path: Path, names: set[str]) -> dict[str, str]:
+    """The hard links of a snapshot ({further name: the name its content comes by}), validated: both names are
+    files of the snapshot, and a content name is never itself a further name. {} for a point that predates them."""
+    db = sqlite3.connect(f"file:{urllib.parse.quote(str(db_path))}?mode=ro", uri=True)
+    try:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='snapshot_links'").fetchone():
+            return {}
+        rows = db.execute("SELECT path, target FROM snapshot_links").fetchall()
+    except sqlite3.Error as e:
+        raise SnapshotError(f"snapshot {db_path.name} has no readable snapshot_links table ({e})") from None
+    finally:
+        db.close()
+    links = dict(rows)
+    for path, target in rows:
+        if path not in names or target not in names or target in links:
+            raise SnapshotError(f"snapshot {db_path.name}: link row {path!r} -> {target!r} is invalid: not two "
+                                f"files of the snapshot, or the target is itself a link")
+    return links
+
+
+def build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[tuple],
+               hard_links: dict[str, str] | None = None) -> None:
+    """Directories, then sparse files (true size, mode, owner, mtime; no data), then the further names of files
+    with several (`load_links`: link(2), one inode as on the writer), then symlinks, then directory attributes.
+    Parents must be directories of the snapshot (implied ones are made): no path ever passes through a symlink,
+    whatever the snapshot says."""
     root = os.geteuid() == 0
     dirs = {p: (mode, uid, gid, mt) for p, typ, mode, uid, gid, mt, _ in tree if typ == "d"}
-    links = {p: (target, uid, gid, mt) for p, typ, _, uid, gid, mt, target in tree if typ == "l"}
-    leaves = {e.path for e, *_ in files} | set(links)
+    symlinks = {p: (target, uid, gid, mt) for p, typ, _, uid, gid, mt, target in tree if typ == "l"}
+    leaves = {e.path for e, *_ in files} | set(symlinks)
     for p in [*leaves, *list(dirs)]:
         parent = p.rpartition("/")[0]
         while parent:
@@ -778,7 +825,10 @@ def build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[t
             parent = parent.rpartition("/")[0]
     for p in sorted(dirs, key=lambda p: p.count("/")):
         os.mkdir(hot / p, 0o700)
+    hard_links = hard_links or {}
     for e, mode, uid, gid in files:
+        if e.path in hard_links:
+            continue
         fd = os.open(hot / e.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, e.size)
@@ -789,7 +839,9 @@ def build_tree(hot: Path, files: list[tuple[Entry, int, int, int]], tree: list[t
             os.utime(fd, ns=(e.mtime_ns, e.mtime_ns))
         finally:
             os.close(fd)
-    for p, (target, uid, gid, mt) in links.items():
+    for p, target in hard_links.items():
+        os.link(hot / target, hot / p, follow_symlinks=False)
+    for p, (target, uid, gid, mt) in symlinks.items():
         os.symlink(target, hot / p)
         if root:
             os.lchown(hot / p, uid, gid)

@@ -14,9 +14,12 @@ On a machine with an empty HOT_DIR, before the engine opens its catalog:
    since);
 4. build the catalog: the TIERED rows (same file ids and objects), the old writer's queued deletes and the
    objects its referrers held (its open files and running jobs are gone with it), all queued, due after the
-   grace period, and pipeline artifacts; and an id sequence moved far above the old writer's (ID_GAP). Deletion
-   safety is the reference authority's (tierfs.tier.references): an imported delete of an object the new
-   catalog still names (a row, an active tail, a kept snapshot) is refused like any other.
+   grace period, and pipeline artifacts; and an id sequence moved far above the old writer's (ID_GAP);
+5. queue every segment object in the store that the new catalog does not name (`_queue_unnamed`): the old writer's
+   uploads and compactions after the point (their rows are not in it, and the new writer never learns of them)
+   would otherwise stay in the bucket for good.
+Deletion safety is the reference authority's (tierfs.tier.references): an imported delete of an object the new
+catalog still names (a row, an active tail, a kept snapshot) is refused like any other.
 
 An unmodified broker then starts on the mount: `abort` is present (the old one never shut down), so it runs its
 abnormal recovery on a store that holds every byte that was durable `tiering.rpo_seconds` before the loss.
@@ -37,7 +40,7 @@ import crc32c
 
 from tierfs.objectstore import ObjectStore
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
-from tierfs.tier import appendlog
+from tierfs.tier import appendlog, layout
 from tierfs.tier import snapshot as snap
 from tierfs.tier.catalog import Catalog, Entry
 from tierfs.tier.lease import WriterLease
@@ -144,6 +147,21 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tail
     return nxt
 
 
+def _queue_unnamed(store: ObjectStore, store_id: str, state: Path, not_before: float) -> int:
+    """Queue, due at `not_before`, every object under the store's seg/ that no row or artifact of the new catalog
+    names: nothing of this writer exists yet, so each is the lost writer's, put after the point or queued by it
+    before (the queue entry is the same). The reference authority still decides: a key a kept snapshot names
+    waits for it."""
+    cat = Catalog(state / "catalog.db")
+    try:
+        named = {k for e in cat.load_all() for k in e.all_objects()} | {k for a in cat.artifacts() for k in a.keys}
+        unnamed = [i.key for i in store.list(layout.segment_prefix(store_id)) if i.key not in named]
+        cat.queue_deletes(unnamed, not_before)
+    finally:
+        cat.close()
+    return len(unnamed)
+
+
 def prepare_takeover(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: TakeoverSpec,
                      ttl: float, grace: float) -> dict:
     """Take the lease and bring HOT/STATE up from the newest consistent point. Blocking; TakeoverError,
@@ -181,13 +199,19 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
     snap_db.write_bytes(data)
     files, tree = snap.load_snapshot(snap_db, store_id, state.name)
     tails = snap.load_tails(snap_db, store_id, state.name, {e.path for e, *_ in files} | {t[0] for t in tree})
-    snap.build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree)
+    # a hard-linked file is one inode here as on the writer: its further names are link(2)s of the name its
+    # content comes by, and only that name's row is read (a tiered row, a blob, a tail)
+    hard_links = snap.load_links(snap_db, {e.path for e, *_ in files} | {t.path for t in tails})
+    snap.build_tree(hot, files + [snap.tail_stub(t) for t in tails], tree, hard_links)
+    tails = [t for t in tails if t.path not in hard_links]
     bpre = snap.blob_prefix(store_id)
     tiered: list[Entry] = []
-    linked: dict[tuple, Entry] = {}  # a hard-linked file is a row per name with one id: one inode here too
+    linked: dict[tuple, Entry] = {}  # a point without snapshot_links: a tiered file's names share its file id
     local_bytes = 0
     try:
         for e, *_ in files:
+            if e.path in hard_links:
+                continue
             if e.objects and all(k.startswith(bpre) for k in e.objects):
                 local_bytes += _write_blob_file(store, hot, e)  # a mutable (or not yet sealed) file: local
             elif e.objects:
@@ -205,12 +229,14 @@ def _take_over(store: ObjectStore, store_id: str, hot: Path, state: Path, spec: 
     offsets = [(t.path, os.lstat(hot / t.path).st_ino, max((o.end for o in t.objects), default=0), t.slots,
                 appendlog.encode_objects(t.objects)) for t in tails]
     nxt = _catalog(state, snap_db, tiered, grace, offsets)
+    unnamed = _queue_unnamed(store, store_id, state, time.time() + grace)
     snap_db.unlink(missing_ok=True)
     info = {"done": True, "seq": ptr.seq, "time": ptr.time, "writer": ptr.writer, "epoch": lease.epoch,
             "overrode": cur.holder if cur is not None and cur.live(time.time()) else "",
-            "files_local": len(files) - len(tiered) + len(tails), "files_tiered": len(tiered),
-            "bytes_local": local_bytes, "next_id": nxt, "seconds": round(time.monotonic() - t0, 3),
-            "age_s": round(time.time() - ptr.time, 3)}
+            "files_local": sum(e.path not in hard_links for e, *_ in files) - len(tiered) + len(tails),
+            "files_tiered": len(tiered),
+            "bytes_local": local_bytes, "next_id": nxt, "unnamed_objects_queued": unnamed,
+            "seconds": round(time.monotonic() - t0, 3), "age_s": round(time.time() - ptr.time, 3)}
     marker.write_text(json.dumps(info) + "\n")
     log.warning("took over store id %s from snapshot %d (taken %.1f s ago by %s): %d files local (%d bytes), "
                 "%d tiered, lease epoch %d%s", store_id, ptr.seq, info["age_s"], ptr.writer, info["files_local"],

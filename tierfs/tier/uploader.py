@@ -5,6 +5,13 @@ A segment is read from its hot file chunk by chunk (objectstore.chunk_bytes), ea
 tierfs.tier.sealcopy) and checked back (HEAD, or a full GET with upload.verify=full), and only then does one transaction say TIERED:
 the local bytes may be dropped only after that commit. A write during the upload voids it (write_seq moves) and
 the segment is sealed again at a new generation. Also here: the sweep of multipart uploads a crashed daemon left.
+
+No upload leaves an object nothing names. Keys carry the path at upload time, so a crash between the PUTs and the
+commit, after a rename, made the next daemon upload the segment again under other keys and forget the first ones.
+Now a batch registers every key it may put (`upload:<file id>`, tierfs.tier.references) in one catalog transaction
+before its first PUT, and ends that registration only after the commit that names or queues them (or queues them
+itself when the upload failed); the next mount queues whatever an earlier daemon still held. So at any moment each
+object an upload put is named by a row, held, or queued; a queued key that a row names is never deleted.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from tierfs.objectstore.base import ObjectStoreError
 from tierfs.tier import layout, sealcopy, units
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
+from tierfs.tier.references import UPLOAD, BeingDeleted
 from tierfs.tier.state import ShortRead
 
 if TYPE_CHECKING:
@@ -198,15 +206,44 @@ class Uploader:
         still unchanged as TIERED in one transaction: durable before any local byte may be dropped. Returns the
         segments whose upload failed, with the error; raises if the commit fails (nothing is tiered then).
 
-        SEALED -> UPLOADING is kept in memory only: a crash resumes both the same way (upload again, same keys),
-        and writing it would cost one more synchronous commit per segment."""
+        SEALED -> UPLOADING is kept in memory only: a crash resumes both the same way (upload again, under the
+        keys of its path then). What an upload may put is registered durably instead, once per batch (module
+        docstring): the keys an earlier attempt put under another path are queued, not forgotten."""
         eng = self.eng
         t0 = time.monotonic()
         batch: list[tuple[Entry, int, int]] = []  # entry, ino, write seq when sealed
+        holds: dict[str, list[str]] = {}  # every key each upload may put, by the path it has now
         for e in entries:
             batch.append((e, e.ino, self._sealed_at_seq.get(e.file_id, eng.write_seq.get(e.ino, 0))))
+            holds[f"{UPLOAD}{e.file_id}"] = self._keys(e)
             if e.state is State.SEALED:
                 e.state = State.UPLOADING
+        try:  # durable before the first PUT: a crash from here on leaves them registered (module docstring)
+            await eng.db(eng.references.hold_many, holds)
+        except BeingDeleted as err:  # a delete of an earlier attempt's object is running: upload it later
+            return [(e, ObjectStoreError(str(err))) for e in entries]
+        settled: list[str] = []
+        try:
+            return await self._upload_held(batch, holds, settled, t0)
+        finally:  # whatever no commit named or queued is queued now (a crash or a cancel: at the next mount)
+            released = [h for h in holds if h not in settled]
+            await eng.db(eng.references.settle, settled, released,
+                         time.time() + float(eng.config["delete.grace_seconds"]))
+
+    def _keys(self, e: Entry) -> list[str]:
+        """The objects an upload of `e` may put now: its chunks, named by its path, and their crc32c table."""
+        keys = layout.chunk_keys(self.eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
+        return keys + ([units.table_key(keys[0])] if self._unit(e) else [])
+
+    def _unit(self, e: Entry) -> int:
+        """The verification unit of `e`'s crc32c table (0: none, whole blocks are checked)."""
+        unit = self.eng.unit
+        return unit if 0 < unit < e.block_bytes and e.block_bytes % unit == 0 else 0
+
+    async def _upload_held(self, batch: list[tuple[Entry, int, int]], holds: dict[str, list[str]],
+                           settled: list[str], t0: float) -> list[tuple[Entry, Exception]]:
+        """`_upload` once the keys are held; `settled` gets the holders a commit named or queued the keys of."""
+        eng = self.eng
         results: list[tuple[int, list[int], list[str]] | ShortRead | None] = [None] * len(batch)
         failed: list[tuple[Entry, Exception]] = []
 
@@ -216,7 +253,8 @@ class Uploader:
             copied = [0]
             try:  # one big segment: its own thread, as ever; small ones: bounded, so readers keep store slots
                 results[i] = await trio.to_thread.run_sync(
-                    self.upload_blocking, e, tail, copied, limiter=self._small_limiter if len(batch) > 1 else None)
+                    self.upload_blocking, e, tail, copied, holds[f"{UPLOAD}{e.file_id}"],
+                    limiter=self._small_limiter if len(batch) > 1 else None)
                 eng.stats.upload_copied_bytes += copied[0]
             except ShortRead as err:
                 results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
@@ -253,6 +291,7 @@ class Uploader:
         void_rows = [eng.hot_copy(e, gen0 + i) for i, e in enumerate(voided)]
         await failpoints.pause("tier.upload_commit")  # tests: an unlink while the TIERED commit is on its way
         await eng.db(eng.catalog.put_many, rows + void_rows, void_keys, now)
+        settled += [f"{UPLOAD}{e.file_id}" for (e, _, _), res in zip(batch, results) if res is not None]
         failpoints.hit("tier.after_commit")
         for e, row in zip(voided, void_rows):
             if eng.is_live(e):
@@ -300,17 +339,20 @@ class Uploader:
             if eng.is_live(e) and eng.tiered.get(e.ino) is not e:
                 eng.apply(e, row)
 
-    def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None
-                        ) -> tuple[int, list[int], list[str], tuple[int, bytes, str]]:
-        """Read the hot file chunk by chunk, PUT each chunk (or compose it in the store from the append objects
+    def upload_blocking(self, e: Entry, tail: tuple = (), copied: list[int] | None = None,
+                        held: list[str] | None = None) -> tuple[int, list[int], list[str], tuple[int, bytes, str]]:
+        """Read the hot file chunk by chunk, PUT each chunk as its key in `held` (`_keys` as registered before the
+        upload: a rename since changes nothing here; by default, as of now), or compose it in the store from the
+        append objects
         `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied`), verify, and
         return (crc, block crcs, keys, (verification unit, b"", the reference to its crc32c table object:
         tierfs.tier.units)). The table object is put last, after every chunk: no table without its chunks."""
         eng = self.eng
-        keys = layout.chunk_keys(eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
+        unit = self._unit(e)
+        held = self._keys(e) if held is None else held
+        keys = held[:-1] if unit else held
         crc = 0
         block_crcs: list[int] = []
-        unit = eng.unit if 0 < eng.unit < e.block_bytes and e.block_bytes % eng.unit == 0 else 0
         unit_crcs: list[bytes] = []
         verify_full = eng.config["upload.verify"] == "full"
         fd = os.open(eng.hot / e.path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -350,7 +392,7 @@ class Uploader:
         if not unit:
             return crc, block_crcs, keys, (0, b"", "")
         packed = b"".join(unit_crcs)
-        tkey = units.table_key(keys[0])
+        tkey = held[-1]
         eng.fence(tkey)
         eng.store.put(tkey, packed, metadata={"crc32c": f"{crc32c.crc32c(packed):08x}"})
         info = eng.store.head(tkey)
