@@ -60,11 +60,11 @@ def _fill(path: Path) -> int:
 
 
 def test_a_file_sized_by_ftruncate_keeps_its_space_when_the_disk_fills(small_disk, mount_store):
-    """With mount.reserve_on_truncate: size a file with ftruncate through the mount, let another writer fill the disk, then fill the file through
-    a shared mapping and msync: every byte is kept, and reads back after a remount. A file sized once the disk is
+    """With the default mount.reserve_on_truncate (segments): size a segment with ftruncate through the mount, let
+    another writer fill the disk, then fill the file through a shared mapping and msync: every byte is kept, and reads back after a remount. A file sized once the disk is
     full is refused at the ftruncate (ENOSPC), not when its pages are written back. Old code: the msync failed
     (ENOSPC from the writeback) and the pages were gone, and the second ftruncate succeeded on a full disk."""
-    m = mount_store(hot=small_disk / "hot", options=["mount.reserve_on_truncate=true"])
+    m = mount_store(hot=small_disk / "hot")
     seg = m.mnt / "commitlog" / f"{0:020d}"
     seg.parent.mkdir()
     fd = os.open(seg, os.O_RDWR | os.O_CREAT, 0o644)

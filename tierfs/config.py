@@ -133,10 +133,13 @@ SCHEMA: tuple[Key, ...] = (
         "more fails with EIO at once, so hot files' requests never wait behind them. At most mount.max_background "
         "minus 16 (minus half of it when that is below 32), so the kernel keeps room for hot files' writeback.",
         minimum=1, maximum=1024),
-    Key("mount.reserve_on_truncate", "bool", False,
-        "Allocate the range a truncate grows a file by (fallocate), so a full hot disk refuses the truncate "
-        "instead of dropping mapped pages at writeback (a broker's acknowledged messages). Off: sparse, as a native "
-        "disk; the broker's disk-ratio retention then sees only written bytes."),
+    Key("mount.reserve_on_truncate", "choice", "segments",
+        "Allocate the range a truncate grows a file by (fallocate), so a full hot disk refuses the truncate (the "
+        "broker then refuses sends) instead of failing the writeback of mapped pages the broker has already "
+        "acknowledged. segments: the store's CommitLog, ConsumeQueue, index and timer segments (what a broker "
+        "maps); all: every file; off: every file sparse, as on a native disk. A reserved segment counts as used "
+        "in statfs from its creation (one segment per log ahead of the broker's writes).",
+        choices=("segments", "all", "off")),
     Key("mount.attr_timeout", "float", 1.0, "Seconds the kernel may cache file attributes and names.",
         minimum=0, maximum=3600),
     Key("mount.read_ahead_kb", "int", 1024,

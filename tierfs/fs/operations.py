@@ -33,6 +33,7 @@ from tierfs.fs.hotdir import PINNED_DIR, HotDir, pin_path, set_size
 from tierfs.fs.inodes import ROOT, InodeTable
 from tierfs.fs.localread import LARGE as LARGE_READ, LocalReader
 from tierfs.fs.stats import FsStats
+from tierfs.store.paths import classify
 from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.fs")
@@ -318,7 +319,7 @@ class TierOperations(pyfuse3.Operations):
                 self.engine.note_write(inode)  # a truncate voids a seal or upload in flight, as a write does
             if self.engine is not None and self.engine.appendlog is not None:
                 self.engine.appendlog.note_truncate(inode, attr.st_size)
-            reserve = bool(self.config["mount.reserve_on_truncate"])
+            reserve = self._reserves(rel)
             if fd is not None:
                 set_size(fd, attr.st_size, reserve)
             else:
@@ -346,6 +347,16 @@ class TierOperations(pyfuse3.Operations):
             else:
                 self.hotdir.utime(rel, (atime, mtime))
         return self._attrs(self._stat_inode(inode), inode)
+
+    def _reserves(self, rel: str | None) -> bool:
+        """Whether a truncate growing the file at `rel` allocates the range first (mount.reserve_on_truncate):
+        by default the store's segments only, the files a broker sizes with ftruncate and fills through a shared
+        mapping; other files stay sparse as on a native disk. Classified by path (the kind of file, not its
+        identity); an unlinked file (no name) is not reserved for."""
+        mode = self.config["mount.reserve_on_truncate"]
+        if mode == "segments":
+            return rel is not None and classify(rel).is_segment
+        return mode == "all"
 
     @_handler("readlink")
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
