@@ -12,10 +12,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from mountutil import wait_for
 
 SIZE = 8 << 20
 
@@ -92,3 +95,40 @@ def test_a_file_sized_by_ftruncate_keeps_its_space_when_the_disk_fills(small_dis
     data = (m.mnt / "commitlog" / f"{0:020d}").read_bytes()
     bad = [off for off in range(0, SIZE, 4096) if data[off:off + 4096] != (off // 4096).to_bytes(4, "big") * 1024]
     assert not bad, f"{len(bad)} pages of {SIZE // 4096} lost on the full disk, first at {bad[0]}"
+
+
+def test_segments_can_be_deleted_when_the_disk_is_full(small_disk, mount_store):
+    """A broker with a full disk frees space by deleting its oldest segments: each unlink through the mount
+    commits in the catalog, on the full disk. The catalog's space reserve (mount.catalog_reserve_bytes) is
+    given back at the first commit that finds the disk full, so every unlink succeeds, and after a remount
+    the segments are gone from the catalog too. Old code: the unlink answered EIO (SQLITE_FULL)."""
+    m = mount_store(hot=small_disk / "hot", options=[
+        "tiering.enabled=true,cache.max_bytes=0,cache.block_bytes=4KiB,objectstore.chunk_bytes=64KiB,"
+        "seal.quiet_seconds=0.05,seal.scan_interval_seconds=0.1,delete.grace_seconds=0,"
+        "mount.catalog_reserve_bytes=4MiB"])
+    rels = [f"consumequeue/TopicF/{q}/{0:020d}" for q in range(40)]
+    for i, rel in enumerate(rels):
+        (m.mnt / rel).parent.mkdir(parents=True)
+        with open(m.mnt / rel, "wb") as f:
+            f.write(b"".join(struct.pack(">qiq", u * 100, 100, i) for u in range(3000)))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def tiered() -> set[str]:
+        return {f["path"] for f in m.status()["files"] if f["state"] == "tiered"}
+
+    wait_for(lambda: set(rels) <= tiered(), 120, 0.2, what="every segment tiered")
+    assert _fill(m.hot / "filler") >= 0
+    failed = []
+    for rel in rels:
+        try:
+            os.unlink(m.mnt / rel)
+        except OSError as e:
+            failed.append((rel, e.errno))
+    assert not failed, f"{len(failed)} of {len(rels)} unlinks failed on the full disk, first {failed[0]}: " \
+                       f"{m.log_tail(20)}"
+    # (whether a commit needed a new block depends on the WAL's state: the reserve's log line is not asserted)
+    (m.hot / "filler").unlink()
+    m.remount()
+    assert not any(f["path"] in rels for f in m.status()["files"]), "a deleted segment came back after the remount"
+    assert not any((m.mnt / rel).exists() for rel in rels)

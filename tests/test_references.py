@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from mountutil import wait_for
+from mountutil import files_under, wait_for
 from test_identity import OPTS, SEG, units, wait_evicted, write_segment
 
 HOLD = 45  # seconds the compaction's apply waits (a failpoint): far longer than the write below
@@ -26,7 +26,7 @@ def test_a_compaction_output_whose_swap_was_skipped_is_deleted(mount_store):
     objects = m.state_dir / "objects"
 
     def lz4c() -> list[str]:
-        return sorted(str(p) for p in objects.rglob("*.lz4c") if p.is_file())
+        return sorted(str(p) for p in files_under(objects) if p.suffix == ".lz4c")
     job = subprocess.Popen([sys.executable, "-m", "tierfs", "compact", str(m.mnt), "--json", "--only", "segments"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -133,6 +133,10 @@ SCHEMA: tuple[Key, ...] = (
         "more fails with EIO at once, so hot files' requests never wait behind them. At most mount.max_background "
         "minus 16 (minus half of it when that is below 32), so the kernel keeps room for hot files' writeback.",
         minimum=1, maximum=1024),
+    Key("mount.catalog_reserve_bytes", "size", 64 << 20,
+        "Space kept allocated in the state dir on the hot disk and given back the first time a catalog commit "
+        "finds the disk full, so a broker can still delete segments (each unlink commits) to free space. 0: "
+        "none; a full disk then answers such unlinks EIO.", minimum=0),
     Key("mount.reserve_on_truncate", "choice", "segments",
         "Allocate the range a truncate grows a file by (fallocate), so a full hot disk refuses the truncate (the "
         "broker then refuses sends) instead of failing the writeback of mapped pages the broker has already "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import re
 import sqlite3
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from tierfs.tier import units
+from tierfs.tier.spacereserve import SpaceReserve
 
 
 class State(str, enum.Enum):
@@ -193,9 +195,32 @@ _KEY_GENERATION = re.compile(r"/(\d+)\.(?:raw|lz4c|cidx)(?:/|$)")  # the generat
 NEVER = 1e18
 HELD = "held:"  # object_refs holder of an unlinked file still open, followed by its file id
 
+def _retry_when_full(method: Callable) -> Callable:
+    """A write that finds the disk full (SQLITE_FULL; the transaction is rolled back) is run once more after
+    the catalog's space reserve is given back (tierfs.tier.spacereserve): the methods are pure database work,
+    so running one again is running it once."""
+
+    @functools.wraps(method)
+    def run(self: Catalog, *args, **kwargs):
+        try:
+            out = method(self, *args, **kwargs)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorname", "") != "SQLITE_FULL" or self.reserve is None \
+                    or not self.reserve.release():
+                raise
+            out = method(self, *args, **kwargs)
+        if self.reserve is not None:
+            self.reserve.maybe_rearm()
+        return out
+
+    return run
+
+
 class Catalog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, reserve: SpaceReserve | None = None):
+        """`reserve`: space a commit on a full disk may have (writable mounts); None for tools and views."""
         self.path = path
+        self.reserve = reserve
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -249,6 +274,7 @@ class Catalog:
                     db.execute(stmt)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt),))
 
+    @_retry_when_full
     def allocate(self, n: int = 1) -> int:
         """The first of n new numbers from the store's one sequence (file ids and generations alike): durable
         before any is used, and never handed out again, so two files can never share an object key."""
@@ -262,6 +288,7 @@ class Catalog:
             r = self._db.execute("SELECT v FROM meta WHERE k=?", (k,)).fetchone()
         return r[0] if r else None
 
+    @_retry_when_full
     def set_meta(self, k: str, v: str) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
@@ -298,13 +325,12 @@ class Catalog:
         """Insert or update a row, durably (one transaction)."""
         self.put_many([e], [], 0.0)
 
+    @_retry_when_full
     def save_residency(self, entries: list[Entry]) -> None:
         """Persist resident bitmaps and access times of several entries in one transaction."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("UPDATE files SET resident=?, last_access=? WHERE file_id=?",
-                                 [(bytes(e.resident), e.last_access, e.file_id) for e in entries])
-            self._db.execute("COMMIT")
+        with self._transaction() as db:
+            db.executemany("UPDATE files SET resident=?, last_access=? WHERE file_id=?",
+                           [(bytes(e.resident), e.last_access, e.file_id) for e in entries])
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -315,9 +341,11 @@ class Catalog:
                 yield self._db
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLITE_FULL and others roll back by themselves
+                    self._db.execute("ROLLBACK")
                 raise
 
+    @_retry_when_full
     def save_tails(self, rows: list[tuple[str, int, int, int, str]]) -> None:
         """The append objects of every active segment (tierfs.tier.appendlog), all in one transaction, once they
         are durable: (path, hot-dir inode, committed offset, IndexFile hash slots, objects as JSON). A restart
@@ -333,6 +361,7 @@ class Catalog:
     def _queue_locked(self, keys: list[str], not_before: float) -> None:
         self._db.executemany("INSERT OR REPLACE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
 
+    @_retry_when_full
     def remove(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
         """Drop `e`'s row (and its artifacts of these kinds) and queue their objects for deletion, atomically."""
         with self._transaction() as db:
@@ -347,6 +376,7 @@ class Catalog:
             not_before = 0.0
         self._queue_locked(keys, not_before)
 
+    @_retry_when_full
     def replace(self, e: Entry, delete_keys: list[str], not_before: float, artifacts: tuple[str, ...] = ()) -> None:
         """Rewrite a row (e.g. TIERED -> HOT at a new generation) and queue the objects it no longer uses and
         its artifacts of these kinds for deletion: one transaction, so a crash leaks nothing."""
@@ -354,6 +384,7 @@ class Catalog:
             db.execute(_UPSERT, self._row(e))
             self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(e.path, artifacts), not_before)
 
+    @_retry_when_full
     def apply_namespace(self, moves: list[tuple[int, str]], removes: list[tuple[int, str, list[str], float]],
                         renamed: list[tuple[str, str]]) -> None:
         """One namespace change (tierfs.tier.namespace) in one transaction: rows that go, with their objects
@@ -381,12 +412,14 @@ class Catalog:
         self._db.execute(f"DELETE FROM artifacts WHERE path=? AND kind IN ({marks})", (path, *kinds))
         return [k for r in rows for k in json.loads(r[0])]
 
+    @_retry_when_full
     def schedule_deletes(self, keys: list[str], not_before: float) -> None:
         """An unlinked file's last holder closed: its objects are no longer held, and go after `not_before`."""
         with self._transaction() as db:
             db.executemany(f"DELETE FROM object_refs WHERE key=? AND holder LIKE '{HELD}%'", [(k,) for k in keys])
             db.executemany("UPDATE pending_deletes SET not_before=? WHERE key=?", [(not_before, k) for k in keys])
 
+    @_retry_when_full
     def release_held_deletes(self, not_before: float) -> int:
         """At mount: objects held for open files of an earlier daemon go after `not_before` (no process holds
         those files now). Also the deletes an earlier version held with a NEVER not-before."""
@@ -396,6 +429,7 @@ class Catalog:
                            (not_before, NEVER)).rowcount
             db.execute(f"DELETE FROM object_refs WHERE holder LIKE '{HELD}%'")
             return n
+    @_retry_when_full
     def swap(self, e: Entry, delete_keys: list[str], not_before: float) -> bool:
         """Give a TIERED raw row its compacted objects (raw -> lz4c) and queue the raw ones for deletion,
         atomically, only if the row is still that generation, TIERED and raw: a write that made the file HOT again
@@ -412,6 +446,7 @@ class Catalog:
             self._queue_locked(delete_keys, not_before)
             return True
 
+    @_retry_when_full
     def put_many(self, entries: list[Entry], delete_keys: list[str], not_before: float,
                  artifacts: list[Artifact] = (), drop_ids: tuple[int, ...] = ()) -> None:
         """Rows (inserted, or updated but for their path), artifacts, rows dropped by file id (a following
@@ -443,6 +478,7 @@ class Catalog:
             rows = self._db.execute(q + (" WHERE kind=?" if kind else ""), (kind,) if kind else ()).fetchall()
         return [Artifact(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]), r[5]) for r in rows]
 
+    @_retry_when_full
     def drop_artifacts(self, path: str, kinds: tuple[str, ...], not_before: float) -> list[str]:
         """Forget `path`'s artifacts of these kinds (its content changed or it is gone) and queue their objects."""
         with self._transaction():
@@ -452,15 +488,18 @@ class Catalog:
 
     # -- deferred deletes and the references that hold them (tierfs.tier.references asks here)
 
+    @_retry_when_full
     def queue_deletes(self, keys: list[str], not_before: float) -> None:
         with self._transaction():
             self._queue_locked(keys, not_before)
 
+    @_retry_when_full
     def hold_refs(self, holder: str, keys: list[str]) -> None:
         """`holder` refers to `keys` (durably, before it writes or uses them): no delete takes them meanwhile."""
         with self._transaction() as db:
             db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", [(k, holder) for k in keys])
 
+    @_retry_when_full
     def release_refs(self, holder: str, not_before: float) -> int:
         """`holder` is done with its objects: each is queued for deletion after `not_before`, in the same
         transaction, and goes once nothing else refers to it (a row that took one over keeps it)."""
@@ -470,11 +509,13 @@ class Catalog:
             db.executemany("INSERT OR IGNORE INTO pending_deletes VALUES (?, ?)", [(k, not_before) for k in keys])
         return len(keys)
 
+    @_retry_when_full
     def hold_refs_many(self, refs: list[tuple[str, str]]) -> None:
         """Several holders' (key, holder) references in one transaction (an upload batch registers its keys)."""
         with self._transaction() as db:
             db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", refs)
 
+    @_retry_when_full
     def end_refs(self, settled: list[str], released: list[str], not_before: float) -> None:
         """In one transaction: `settled` holders go without a delete (a committed row names their keys, or the
         commit queued them), `released` ones like `release_refs` (their keys queued after `not_before`)."""
@@ -489,6 +530,7 @@ class Catalog:
             return [r[0] for r in self._db.execute(
                 "SELECT DISTINCT holder FROM object_refs WHERE substr(holder, 1, ?)=?", (len(prefix), prefix))]
 
+    @_retry_when_full
     def claim_deletes(self, now: float, limit: int, skip: set[str], named: Callable[[list[str]], set[str]],
                       retry: float) -> list[str]:
         """The one question before any object delete, in one transaction: due queued deletes that nothing refers
@@ -529,6 +571,7 @@ class Catalog:
             named.update(o[0] for o in json.loads(objs))
         return want & named
 
+    @_retry_when_full
     def deleted(self, keys: list[str]) -> None:
         with self._lock:
             self._db.executemany("DELETE FROM pending_deletes WHERE key=?", [(k,) for k in keys])

@@ -60,6 +60,7 @@ from tierfs.tier.namespace import Namespace, storable
 from tierfs.tier.primer import Primer
 from tierfs.tier.references import UPLOAD, References
 from tierfs.tier.sealer import Sealer
+from tierfs.tier.spacereserve import SpaceReserve
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
 from tierfs.tier.uploader import Uploader
@@ -101,7 +102,9 @@ class Engine:
         self.takeover_info = prepare_takeover(self.store, self.store_id, hot_dir, state_dir, takeover,
                                               float(config["lease.ttl_seconds"]),
                                               float(config["delete.grace_seconds"])) if takeover else {}
-        self.catalog = Catalog(state_dir / "catalog.db")
+        reserve = None if read_only else SpaceReserve(state_dir / "catalog.reserve",
+                                                      int(config["mount.catalog_reserve_bytes"]))
+        self.catalog = Catalog(state_dir / "catalog.db", reserve)
         self.lease: WriterLease | None = None  # writable mounts: set by take_lease() before serving
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
             storeconfig.save(state_dir, self.store_url(), self.store_options(), self.store_id)  # for `tierfs fsck`
