@@ -292,3 +292,47 @@ class RocketMQ:
 INDEX_NUM = 20_000
 HASH_SLOTS = 5_000
 TIMERLOG_BYTES = 52 * 5_000  # TimerLog units are 52 bytes; a segment ends with a roll blank
+
+
+def merge_acked(parts: Sequence[tuple[bytes, int]]) -> bytes:
+    """java.util.BitSet byte arrays (little-endian), each over a range starting at its offset, as one BitSet
+    from 0: what a consumer of all those ranges at once is told to expect."""
+    v = 0
+    for bits, start in parts:
+        v |= int.from_bytes(bits, "little") << start
+    return v.to_bytes((v.bit_length() + 7) // 8, "little")
+
+
+def queue_offset(queue_dir: Path) -> int:
+    """How many messages a queue holds: its last ConsumeQueue file's start (file names are byte offsets, 20
+    bytes a unit) plus the units written in it (the file is preallocated with zeros, units are written in
+    order: a binary search reads a few units). Reads only the last file, which is hot; 0 for no file."""
+    files = sorted((p for p in queue_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
+        if queue_dir.is_dir() else []
+    if not files:
+        return 0
+    last = files[-1]
+    with open(last, "rb") as f:
+        lo, hi = 0, os.fstat(f.fileno()).st_size // 20  # lo units are written; is unit `mid` written?
+        while lo < hi:
+            mid = (lo + hi) // 2
+            f.seek(mid * 20)
+            if f.read(20).strip(b"\0"):
+                lo = mid + 1
+            else:
+                hi = mid
+    return int(last.name) // 20 + lo
+
+
+def send_latencies(acked: Path, count: int, threads: int) -> list[tuple[int, int]]:
+    """(ack epoch-ms, send latency ms) of each acknowledged message but each thread's first, from ACKED.ms alone.
+    A BrokerClient thread sends message i, i + threads, ... one after the other, so a message's latency is the
+    time between its acknowledgement and the one before it on its thread (client overhead is microseconds)."""
+    ms = struct.unpack(f">{count}q", Path(f"{acked}.ms").read_bytes())
+    return [(ms[i], ms[i] - ms[i - threads]) for i in range(threads, count) if ms[i] > 0 and ms[i - threads] > 0]
+
+
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile (nearest rank, as BrokerClient computes it); 0 for no values."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * 0.99))] if s else 0.0
