@@ -18,6 +18,7 @@ the two conditions interleaved where the fault allows it, so a change of the mac
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import signal
 import statistics
@@ -31,7 +32,7 @@ import pytest
 
 import brokerutil as B
 from faultproxy import FaultProxy, start_proxy
-from mountutil import Mount, evict, pid_alive, requires_fuse, run, wait_for
+from mountutil import Mount, requires_fuse, run, wait_for
 from test_broker import TIER_OPTS, Env, assert_all_read, timed, wait_mostly_evicted
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -224,15 +225,39 @@ def test_store_503_for_a_minute(fenv: FaultEnv):
     fenv.verify_all()
 
 
-def evicted_block(env: FaultEnv) -> Path:
-    """A tiered CommitLog segment whose first block is not resident (read through the mount it needs the
-    store), its page cache dropped."""
-    for f in env.status()["files"]:
-        if f["kind"] == "commitlog" and f["state"] == "tiered" and f["resident_bytes"] == 0:
-            p = env.mnt / f["path"]
-            evict(p)
-            return p
-    raise AssertionError("no fully evicted CommitLog segment")
+def commitlog_paths(env: FaultEnv) -> set[str]:
+    return {f["path"] for f in env.status()["files"] if f["kind"] == "commitlog"}
+
+
+def unread_evicted_page(env: FaultEnv, older: set[str]) -> tuple[Path, int]:
+    """A 4 KiB page in the middle of a fully evicted CommitLog segment that is not in `older` (written since,
+    so no reader ever fetched it into the daemon's block pool): read through the mount with O_DIRECT (no page
+    cache) it needs the store. The middle, not offset 0: the first page of every segment stays local (DESIGN
+    §4). The eviction pass is pressed as an operator would, since the newest segments are the last to go."""
+    found: list[tuple[Path, int]] = []
+
+    def fresh_evicted() -> bool:
+        for f in env.status()["files"]:
+            if (f["kind"] == "commitlog" and f["path"] not in older and f["state"] == "tiered"
+                    and f["resident_bytes"] == 0):
+                found.append((env.mnt / f["path"], (f["size"] // 2) & ~4095))
+                return True
+        assert env.mount.cli("evict", env.mnt).returncode == 0
+        return False
+
+    wait_for(fresh_evicted, 120, 1, what="a CommitLog segment written since, tiered and fully evicted")
+    return found[0]
+
+
+def read_direct(path: Path, offset: int) -> bytes:
+    """One 4 KiB O_DIRECT read (an aligned buffer): a single FUSE READ, never served by the page cache."""
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        n = os.preadv(fd, [buf], offset)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
 
 
 @store_faults_only
@@ -242,24 +267,28 @@ def test_store_stopped_three_minutes(fenv: FaultEnv):
     for those requests only (EIO after read_timeout through the mount) and the broker stays up; after SIGCONT
     the uploads catch up and every acknowledged message is read back."""
     report, rgw = REPORT[fenv.version], fenv.rgw
+    older = commitlog_paths(fenv)
     before = [fenv.produce_round() for _ in range(2)]
     assert all(r["errors"] == 0 for r in before), before
     wait_uploads_caught_up(fenv)
     wait_mostly_evicted(fenv, ("commitlog",))
-    cold = evicted_block(fenv)
+    cold, offset = unread_evicted_page(fenv, older)
     rgw.freeze_rgw()
     t0 = time.monotonic()
     try:
-        with open(cold, "rb") as f:  # a lagging read of evicted bytes: fails for itself, after read_timeout
-            r0 = time.monotonic()
-            with pytest.raises(OSError) as err:
-                f.read(4096)
-            assert err.value.errno == errno.EIO, err.value
-            report["stopped: lagging read failed after s"] = round(time.monotonic() - r0, 1)
-        try:  # a lagging consumer from offset 0: the broker's reads of evicted segments fail
+        r0 = time.monotonic()  # a lagging read of evicted bytes: fails for itself, after read_timeout
+        with pytest.raises(OSError) as err:
+            read_direct(cold, offset)
+        assert err.value.errno == errno.EIO, err.value
+        report["stopped: lagging read failed after s"] = round(time.monotonic() - r0, 1)
+        # A lagging consumer from offset 0. What it gets is not ours to choose: the broker keeps every CommitLog
+        # segment mapped, so pages it wrote or read before may still be in the kernel's page cache (a DONTNEED
+        # drops no mapped page) and are served without the store (24,000 of 24,000 in a run). Whatever it is
+        # served is the bytes sent; a read the store must answer fails, and the broker stays up.
+        try:
             lag = fenv.consume("g-lagging", TOPICS, QUEUES, 0, fenv.next_seq)
             report["stopped: lagging consumer read"] = lag["distinct"]
-            assert lag["distinct"] < fenv.acked_count(), lag
+            assert lag["bad"] == 0, lag
         except B.BrokerError as e:
             report["stopped: lagging consumer failed"] = str(e).splitlines()[-1][:160]
         assert fenv.rmq.broker.proc.poll() is None, "the broker died on reads of evicted data"
