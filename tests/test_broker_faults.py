@@ -49,7 +49,7 @@ SLOW_MS = 2_000  # the slow store: 2 s added to every request
 READ_TIMEOUT = 5  # objectstore.read_timeout_seconds: a lagging read of an evicted block fails after this
 HOTFS_BYTES = 1 << 30
 FAULT_OPTS = f"objectstore.read_timeout_seconds={READ_TIMEOUT},upload.retry_max_seconds=2"
-CHAOS_FAULTS = ("slow", "503", "store-stopped", "broker-kill9")  # not enospc: it loses messages (see its test)
+CHAOS_FAULTS = ("slow", "503", "store-stopped", "broker-kill9", "enospc")
 REPORT: dict[str, dict] = {}
 
 
@@ -365,12 +365,6 @@ def fill(path: Path) -> int:
     return total
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 28 finding, open: after the hot disk was full, acknowledged messages are missing after a remount and "
-    "a broker restart. 5.5.0 refused sends with 'disk full' as it should, yet lost 28,830 of 34,462 from seq 0: "
-    "its ConsumeQueue files read back empty from offset 0 ('recover current consume queue file over ... 0 0 0' in "
-    "store.log) while tierfs logged 'flushing quiet segment consumequeue/...: No space left on device'. 4.9.7: "
-    "2,051 of 10,236 lost from seq 7904 (it also acknowledges after a failed msync)."))
 def test_hot_dir_enospc(fenv: FaultEnv):
     """The hot dir's disk fills up (another file on it takes every free block) while the broker takes writes:
     the broker sees its disk full and refuses sends, the daemon stays up; once space is freed it takes writes
