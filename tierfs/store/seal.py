@@ -74,6 +74,17 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
         return False, f"unreadable: {e}"
 
 
+def checked_ranges(kind: Kind, size: int, params: SealParams = SealParams()) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes `is_sealed` reads of a `size`-byte file of `kind`: a reader that cannot map
+    the file (a hole of a mapping on a full tmpfs is a SIGBUS) reads these and nothing else. An IndexFile's
+    rule reads its header and last item only (hundreds of MiB in a broker's default config); the others walk
+    their whole content."""
+    if kind is Kind.INDEX:
+        last = indexfile.item_position(params.max_index_num - 1, params.max_hash_slot_num)
+        return [(0, indexfile.HEADER_SIZE), (last, indexfile.ITEM_SIZE)]
+    return [(0, size)]
+
+
 def _consumequeue_corruption(buf, size: int) -> str | None:
     """Why a full ConsumeQueue file cannot be the broker's, or None. The broker appends units in CommitLog order
     and skips any unit whose end (offset + size) is not past the queue's last one (`putMessagePositionInfo`), so

@@ -8,18 +8,19 @@ the uploader takes the segment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import sqlite3
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import trio
 
 from tierfs import failpoints
 from tierfs.store.paths import Kind, classify
-from tierfs.store.seal import SealParams, is_sealed
+from tierfs.store.seal import SealParams, checked_ranges, is_sealed
 from tierfs.tier import identity
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.storeroots import segment_dirs
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.tier")
 
 _SEAL_BATCH = 512  # candidates probed per worker-thread hop, and sealed per catalog transaction
+_READ_CHUNK = 8 << 20  # bytes of one pread of a checked range: a bounded syscall
 
 
 class Sealer:
@@ -378,8 +380,9 @@ class Sealer:
         return ("checked", st, seq, kind, ok, why)
 
     def _check_content(self, rel: str, ino: int, kind: Kind, size: int) -> tuple[bool, str]:
-        """Map the file and apply the seal rule. Truncates of this inode wait for the probe (truncate_barrier),
-        so the mapping cannot lose pages under us."""
+        """Read what the seal rule reads and apply it. Truncates of this inode wait for the probe
+        (truncate_barrier), so the bytes cannot change size under us. pread, never a mapping: reading a hole of a
+        mapped file on a full tmpfs is a SIGBUS that kills the daemon; pread of a hole reads zeros."""
         if size == 0:
             return False, "empty"
         fd = os.open(self.eng.hot / rel, os.O_RDONLY | os.O_NOFOLLOW)
@@ -390,7 +393,29 @@ class Sealer:
             size = min(size, st.st_size)
             if size == 0:
                 return False, "empty"
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-                return is_sealed(kind, m, size, self.params)
+            with _read_ranges(fd, size, checked_ranges(kind, size, self.params)) as buf:
+                if buf is None:
+                    return False, "shorter than its size while being checked"
+                return is_sealed(kind, buf, size, self.params)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _read_ranges(fd: int, size: int, ranges: list[tuple[int, int]]) -> Iterator[mmap.mmap | None]:
+    """A `size`-byte anonymous buffer holding the file's bytes in `ranges` (zeros elsewhere: untouched pages
+    cost no memory), read by pread in chunks; None when the file ends early."""
+    buf = mmap.mmap(-1, size)
+    try:
+        with memoryview(buf) as view:
+            for off, length in ranges:
+                end = min(off + length, size)
+                while off < end:
+                    n = os.preadv(fd, [view[off:min(end, off + _READ_CHUNK)]], off)
+                    if n == 0:
+                        yield None
+                        return
+                    off += n
+        yield buf
+    finally:
+        buf.close()
