@@ -3,7 +3,7 @@ producer and a lagging consumer for --minutes, with faults drawn at random from 
 (2 s a request), the store answering 503, radosgw stopped (SIGSTOP), kill -9 of the broker (restarted), the hot
 dir's disk full (ENOSPC). At the end every acknowledged message is read back by content.
 
-    python bench/chaos.py [--minutes 30] [--version 5.5.0] [--seed N] [--json out.json]
+    python bench/chaos.py [--minutes 30] [--version 5.5.0] [--seed N] [--faults slow,503,...] [--json out.json]
 
 Prints faults survived, messages acknowledged, lost (must be 0: exit 1 otherwise), duplicates, and the p99 send
 latency of messages acknowledged during faults and outside them. tests/test_broker_faults.py runs a 2-minute
@@ -140,6 +140,7 @@ def main() -> int:
     ap.add_argument("--version", default="5.5.0", choices=B.VERSIONS)
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {','.join(FAULTS)}")
     args = ap.parse_args()
     from ceph_rgw import RGW
     from faultproxy import start_proxy
@@ -157,7 +158,7 @@ def main() -> int:
         env.rmq.start_namesrv()
         env.rmq.start_broker(env.conf())
         env.client("topics", env.rmq.ns_addr, env.rmq.broker_addr, QUEUES, *TOPICS.split(","))
-        out = run(env, args.minutes, args.seed)
+        out = run(env, args.minutes, args.seed, tuple(args.faults.split(",")))
     finally:
         if env is not None:
             env.close()
