@@ -1,8 +1,9 @@
-"""The sealer reads a segment's content without mapping it, so a full tmpfs hot dir does not kill the daemon.
+"""The sealer faults in a segment's pages before it reads them, so a full tmpfs hot dir does not kill the daemon.
 
 On tmpfs, a read fault of a hole of a mapped file must allocate a page: with the file system full that is a
 SIGBUS, and the sealer's read-only mapping (tierfs/tier/sealer.py, `_check_content`) took the daemon down the
-first time it checked a segment with holes. pread of a hole reads zeros and allocates nothing.
+first time it checked a segment with holes. MADV_POPULATE_READ answers EFAULT instead: the check is retried, and
+judged once space is freed.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def fill(path: Path) -> None:
 
 def test_the_seal_check_of_a_segment_with_holes_on_a_full_tmpfs_keeps_the_daemon_up(small_tmpfs, mount_store):
     """A ConsumeQueue segment whose only written unit is its last (holes before it) is checked by the sealer
-    after the tmpfs under the hot dir filled up: the daemon stays up and the verdict is the content's (zeros
-    are not a valid unit). Old code: the daemon died of SIGBUS in `_check_content`."""
+    after the tmpfs under the hot dir filled up: the daemon stays up, the check is retried, and once space is
+    freed the verdict is the content's (zeros are not a valid unit). Old code: the daemon died of SIGBUS in
+    `_check_content`."""
     m = mount_store(hot=small_tmpfs / "hot", options=["seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5"])
     rel = f"consumequeue/TS/0/{0:020d}"
     seg = m.mnt / rel
@@ -63,9 +65,13 @@ def test_the_seal_check_of_a_segment_with_holes_on_a_full_tmpfs_keeps_the_daemon
     finally:
         os.close(fd)
 
-    def judged() -> bool:
+    def logged(text: str) -> bool:
         assert m.alive(), f"the daemon died (exit {m.daemon_exit_code()}):\n{m.log_tail(40)}"
-        return f"{rel} not sealed: corrupt: unit 0 (offset 0, size 0)" in m.log_text()
+        return text in m.log_text()
 
-    wait_for(judged, 60, 0.2, what=f"the sealer's verdict on {rel}")
+    wait_for(lambda: logged(f"sealing {rel} failed ("), 60, 0.2, what=f"the sealer's retry of {rel} on a full disk")
+    assert "will retry" in m.log_text()
+    (small_tmpfs / "filler").unlink()
+    wait_for(lambda: logged(f"{rel} not sealed: corrupt: unit 0 (offset 0, size 0)"), 60, 0.2,
+             what=f"the sealer's verdict on {rel} once space was freed")
     assert m.alive()

@@ -75,8 +75,8 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
 
 
 def checked_ranges(kind: Kind, size: int, params: SealParams = SealParams()) -> list[tuple[int, int]]:
-    """(offset, length) of the bytes `is_sealed` reads of a `size`-byte file of `kind`: a reader that cannot map
-    the file (a hole of a mapping on a full tmpfs is a SIGBUS) reads these and nothing else. An IndexFile's
+    """(offset, length) of the bytes `is_sealed` reads of a `size`-byte file of `kind`: what a caller faults in
+    before the check (a hole of a mapping on a full tmpfs is a SIGBUS when touched). An IndexFile's
     rule reads its header and last item only (hundreds of MiB in a broker's default config); the others walk
     their whole content."""
     if kind is Kind.INDEX:
