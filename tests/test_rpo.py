@@ -211,6 +211,29 @@ def test_a_file_made_again_at_a_freed_inode_gets_a_tail_of_its_own(tmp_path, mou
                          f"first at {next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)}")
 
 
+def test_a_hard_linked_active_file_is_uploaded_once(tmp_path, mount_store):
+    """An active ConsumeQueue with a second name (a hard link into another queue dir): each round walked both
+    names, and the tail, kept by inode but replaced whenever the name differed, went back and forth between
+    them, so every round uploaded the whole file again under new keys. One tail per file now: nothing new is
+    written, nothing is uploaded again."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    m = mount_store(options=[TIER_OPTS, f"objectstore.url=file://{objects},store.id=rpo6,"
+                                        f"tiering.rpo_seconds={RPO}"])
+    rel, other = "consumequeue/TopicL/0/00000000000000000000", "consumequeue/TopicL/1/00000000000000000000"
+    for r in (rel, other):
+        (m.mnt / r).parent.mkdir(parents=True)
+    _cq_file(m.mnt / rel, 3000, 1)
+    os.link(m.mnt / rel, m.mnt / other)
+    wait_round_after(m, time.time())
+    before = status(m)["rpo"]["append_bytes"]
+    for _ in range(3):
+        wait_round_after(m, time.time())
+    again = status(m)["rpo"]["append_bytes"] - before
+    assert again == 0, f"{again} bytes uploaded again in 3 rounds with nothing written"
+    assert (m.mnt / other).read_bytes() == (m.mnt / rel).read_bytes()
+
+
 def test_old_writer_fenced_after_takeover(tmp_path, mount_store, cleanup_list):
     """The old writer, paused while a takeover overrides its lease and then resumed, is fenced: its pointer
     writes, uploads and deletes are refused by the lease epoch in the store, and it logs so."""

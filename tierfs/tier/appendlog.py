@@ -505,13 +505,30 @@ class AppendLog:
     # ------------------------------------------------------------------ steps
 
     def _not_tiered(self, stats: dict[str, os.stat_result]) -> list[tuple[str, os.stat_result]]:
-        """The walked regular files that are not tiered (those may hold unwritten pages). On the trio thread."""
-        out = []
+        """The walked regular files that are not tiered (those may hold unwritten pages), one name per file: a
+        hard-linked file has one tail, under the name its tail has if that is still one of its names (its other
+        names are links in the point). On the trio thread."""
+        names: dict[int, list[str]] = {}
         for rel, st in stats.items():
             e = self.eng.by_ino.get(st.st_ino)
             if e is None or e.state is not State.TIERED:
-                out.append((rel, st))
+                names.setdefault(st.st_ino, []).append(rel)
+        out = []
+        for ino, rels in names.items():
+            t = self.tails.get(ino)
+            rel = t.rel if t is not None and t.rel in rels else min(rels)
+            out.append((rel, stats[rel]))
         return out
+
+    def _tail_for(self, rel: str, ino: int) -> Tail:
+        """The tail of the file at hot-dir inode `ino`, now named `rel`: a renamed file keeps its tail (what the
+        bucket holds of it is still its bytes); a new file, or one renamed into another kind of log, gets a new
+        one."""
+        t = self.tails.get(ino)
+        if t is None or classify(t.rel) is not classify(rel):
+            t = self.tails[ino] = self._new_tail(rel, ino)
+        t.rel = rel
+        return t
 
     def restat(self) -> dict[str, os.stat_result | None]:
         """Blocking: the lstat of every tail's file now (None: gone), for a snapshot reusing the round's walk."""
@@ -531,9 +548,7 @@ class AppendLog:
         tails = []
         for rel, st in files:
             if classify(rel) is Kind.COMMITLOG:
-                t = self.tails.get(st.st_ino)
-                if t is None or t.rel != rel:
-                    t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
+                t = self._tail_for(rel, st.st_ino)
                 tails.append((t, min(t.committed, st.st_size), st.st_size))
         ends, checkpoints = await trio.to_thread.run_sync(self._read_before_flush, tails, limiter=self.eng.limiter)
         for (t, _, _), end in zip(tails, ends):
@@ -621,9 +636,7 @@ class AppendLog:
             if gen is None:  # tiered since the walk: the point names its segment objects (its tail goes)
                 continue
             live.add(st.st_ino)
-            t = self.tails.get(st.st_ino)
-            if t is None or t.rel != rel:
-                t = self.tails[st.st_ino] = self._new_tail(rel, st.st_ino)
+            t = self._tail_for(rel, st.st_ino)
             log_dir = rel.rpartition("/")[0] if kind is Kind.COMMITLOG else None
             if log_dir in short:
                 if await trio.to_thread.run_sync(self._has_new_bytes, t, limiter=self.eng.limiter):
