@@ -433,7 +433,9 @@ def test_store_stalled_60s_while_producing(mount_store, rgw, fault_proxy, tmp_pa
     print(f"upload backlog at the end of the stall: {backlog_peak['upload_backlog_files']} files, "
           f"{backlog_peak['upload_backlog_bytes'] / 1e6:.0f} MB; drained {drain_s:.1f}s after the store came back; "
           f"{nseg} segments written")
-    assert stall_tp >= 0.9 * base_tp  # the bound, on the broker-like paced producer
+    # the bound, on the broker-like paced producer: against its pace when the baseline windows ran
+    # above it (catching up a lag, e.g. 4.72 MB/s measured at a 4.19 MB/s pace while the stall held the pace)
+    assert stall_tp >= 0.9 * min(base_tp, RATE / 1e6)
     assert max(w["lag"] for w in stall_w) < 1.0  # and it never fell behind its schedule
     # unthrottled capacity probes swing with the shared machine's load (the ratio is printed above): only a gross
     # slow-down of hot writes during the stall fails here
