@@ -376,8 +376,10 @@ def test_rocksdb_metadata_store(env: Env):
 
 def test_retention_through_the_mount(env: Env):
     """Scenario 4 (last: it deletes the store), one broker start (its cleaning task first runs 60 s after start).
-    (a) With statfs.capacity_bytes set so that the store fills 88% of it, the broker deletes its oldest
-    segments regardless of age (above 85%), through the mount, until the ratio is back under 85%.
+    (a) With statfs.capacity_bytes set so that the store fills 92% of it, the broker deletes its oldest
+    segments regardless of age (above 85%), through the mount, until the ratio is back under 85%. (Not 88%:
+    once, with segments reserved on truncate, a 4.9.7 broker's start took the ratio under 85% by itself, with
+    no segment deleted; a file it drops gives back its whole reserved size.)
     (b) Then, set at run time, fileReservedTime=0 and deleteWhen=now (disk ratio limit 95%): it deletes every
     CommitLog segment but the last. The objects of deleted segments go after delete.grace_seconds, once no kept
     catalog snapshot names them (a read-only mount may be serving one): newer snapshots roll the old ones out."""
@@ -399,23 +401,27 @@ def test_retention_through_the_mount(env: Env):
     for _ in range(3):  # a remount itself can change the used bytes a little (its state dir): measure again
         st = env.status()
         used = st["hot_dir_bytes_used"] + _remote_bytes(st)
-        capacity = int(used / 0.88)
+        capacity = int(used / 0.92)
         m.umount()
         m.options = (*base_options, f"statfs.capacity_bytes={capacity}")
         m.mount()
-        if 0.855 < _ratio(env.mnt) < 0.9:
+        if 0.905 < _ratio(env.mnt) < 0.94:
             break
     store_id = env.status()["store_id"]
     before = sorted(p.name for p in (env.mnt / "commitlog").iterdir())
     tiered_before = {f["path"].rsplit("/", 1)[1] for f in env.status()["files"]
                      if f["kind"] == "commitlog" and f["state"] == "tiered"}
     ratio = _ratio(env.mnt)
-    assert 0.855 < ratio < 0.9, f"statfs ratio {ratio:.3f}, wanted ~0.88 (capacity {capacity}, used {used})"
+    assert 0.905 < ratio < 0.94, f"statfs ratio {ratio:.3f}, wanted ~0.92 (capacity {capacity}, used {used})"
     far_hour = f"{(time.gmtime().tm_hour + 12) % 24:02d}"
     with timed(report, "retention by disk ratio"):
         rmq.start_broker(env.conf(deleteWhen=far_hour, diskMaxUsedSpaceRatio=75))
-        wait_for(lambda: _ratio(env.mnt) <= 0.85, 150, 0.5,
-                 what=f"the broker deleting segments until the ratio is under 85% (now {_ratio(env.mnt):.3f})")
+        def cleaned() -> bool:
+            left = {p.name for p in (env.mnt / "commitlog").iterdir()}
+            return _ratio(env.mnt) <= 0.85 and before[0] not in left
+
+        wait_for(cleaned, 150, 0.5, what=f"the broker deleting segments until the ratio is under 85% (now "
+                                          f"{_ratio(env.mnt):.3f})")
     after = sorted(p.name for p in (env.mnt / "commitlog").iterdir())
     # the oldest segments went; (at its start the broker may also drop an unused last file, or roll a new one)
     gone = [n for n in before if n not in after and n < after[-1]]
