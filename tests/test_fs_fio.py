@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from mountutil import evict, requires_fuse, run
+from mountutil import FSTYPE, evict, mount_table, requires_fuse, run
 from must_run import missing_tool_reason
 from test_fs_semantics import _syncfs
 
@@ -129,12 +129,10 @@ def test_fio_concurrent_engines_survive_remount(mount_store):
 #   fsize     - probes RLIMIT_FSIZE through fallocate(); tierfs does not implement fallocate (EOPNOTSUPP; the broker
 #               never calls it) and stress-ng 0.15's emulation then reports "fallocate unexpectedly succeeded".
 #   fallocate, fpunch - only exercise stress-ng's own write-based emulation of the unsupported fallocate.
-#   io        - loops on sync() and on syncfs() of EVERY mount in /proc/mounts, not just --temp-path: it blocks
-#               while any other FUSE daemon on the machine is stopped or hung (the suite stops daemons on purpose;
-#               stress-ng then SIGKILLs it: "io instance 0 corrupted bogo-ops counter, 525 vs 0"), and it writes
-#               back the dirty pages of other tests' mounts early (test_rpo's races need them dirty). What it
-#               checks here, syncfs() on this mount among creates and unlinks of closed files, `syncfs_all_along`
-#               does on this mount only.
+#   io        - loops on sync() and on syncfs() of EVERY mount in /proc/mounts, not just --temp-path, so it blocks
+#               while any other FUSE daemon on the machine is stopped (the suite stops daemons on purpose) and
+#               writes back other tests' dirty pages early: it runs in `test_stress_ng_io_alone`, after the
+#               parallel phase (marker `alone`), with this suite's mount the only one.
 #   dirdeep   - same syncfs-independent result as dir/dirmany but minutes of deep trees; not worth the time.
 STRESS_SETS = {
     "data": ["--hdd", "1", "--hdd-opts", "wr-seq,rd-seq", "--hdd-bytes", "64m",
@@ -198,3 +196,27 @@ def test_stress_ng_verify(mount_store, which):
     assert "answered EIO" not in log and "Traceback" not in log, m.log_tail()
     assert sorted(os.listdir(m.hot)) == [".tierfs"]
     assert sorted(os.listdir(m.mnt)) == [".tierfs"]
+
+
+@needs_stress_ng
+@pytest.mark.alone
+def test_stress_ng_io_alone(mount_store):
+    """stress-ng's io stressor (sync() and syncfs() of every mount, in a loop) among creates, renames, links,
+    unlinks and data writes on the mount, with --verify: the syncs neither fail nor hang, and the data stressors
+    find their bytes. Run alone (mount-scripts/test's second phase): the stressor syncs every mount of the
+    machine, so another test's stopped daemon would hang it."""
+    m = mount_store()
+    others = [mp for _, mp, fs in mount_table() if fs == FSTYPE and Path(mp) != m.mnt]
+    assert not others, f"not alone: other tierfs mounts {others} (run it through mount-scripts/test)"
+    r = run(["stress-ng", "--io", "2", "--dir", "1", "--rename", "1", "--link", "1", "--hdd", "1", "--hdd-bytes",
+             "16m", "--sync-file", "1", "--sync-file-bytes", "8m", "--temp-path", str(m.mnt), "--timeout", "15s",
+             "--verify", "--metrics-brief"], cwd=m.mnt, timeout=150)
+    out = r.stdout + r.stderr
+    fails = [ln for ln in out.splitlines() if re.search(r"\bfail:|\bfailed\b|aborted|untrustworthy|corrupted", ln)]
+    assert r.returncode == 0 and not fails, f"stress-ng exited {r.returncode}:\n" + "\n".join(fails or [out[-3000:]])
+    assert "successful run completed" in out
+    io = re.search(r"\bio\s+(\d+)\s", out)
+    assert io and int(io.group(1)) > 0, f"the io stressor did no sync:\n{out[-2000:]}"
+    assert m.alive() and m.is_mounted()
+    log = m.log_text()
+    assert "answered EIO" not in log and "Traceback" not in log, m.log_tail()
