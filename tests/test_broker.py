@@ -92,7 +92,11 @@ class Env:
             try:
                 self.mount.cleanup()
             finally:
-                run(["umount", self.hot], timeout=60)
+                self.unmount_disks()
+
+    def unmount_disks(self) -> None:
+        """The file systems made for this Env, after its mount is gone."""
+        run(["umount", self.hot], timeout=60)
 
 
 def segment_counts(st: dict) -> dict[str, tuple[int, int]]:

@@ -123,16 +123,9 @@ class FaultEnv(Env):
     def backlog(self) -> int:
         return self.status()["totals"]["upload_backlog_files"]
 
-    def close(self) -> None:
-        try:
-            if self.rmq is not None:
-                self.rmq.close()
-        finally:
-            try:
-                self.mount.cleanup()
-            finally:
-                run(["umount", self.hotfs], timeout=60)  # mount -o loop: the loop device goes with it
-                run(["umount", self.ram], timeout=60)
+    def unmount_disks(self) -> None:
+        run(["umount", self.hotfs], timeout=60)  # mount -o loop: the loop device goes with it
+        run(["umount", self.ram], timeout=60)
 
 
 @pytest.fixture(scope="module", params=B.VERSIONS)
