@@ -753,6 +753,10 @@ class AppendLog:
             objs = []
             end = max([committed] + [hi for _, hi in ranges])
             for off, n in pieces(ranges, self.eng.chunk):
+                failpoints.hit("appendlog.piece")  # tests: the file goes TIERED between two pieces
+                if self._became_tiered(t):  # its hot file is losing blocks: the rest would be holes read as zeros
+                    end = min(end, off)
+                    break
                 data = os.pread(fd, n, off)
                 if len(data) < n:  # truncated meanwhile: what is left
                     end = min(end, off + len(data))
@@ -771,6 +775,14 @@ class AppendLog:
             return objs, end
         finally:
             os.close(fd)
+
+    def _became_tiered(self, t: Tail) -> bool:
+        """From the upload's worker thread, a hint only: has the file gone TIERED since the round read its state?
+        Then eviction punches its hot file, and reading on would upload holes as zeros (a first upload of a
+        1 GiB segment read and PUT ~1 GiB of them, while the round drops what it read anyway). The decision
+        stays on the trio thread: _upload_tails compares the generation after the upload."""
+        e = self.eng.by_ino.get(t.ino)
+        return e is not None and e.state is State.TIERED
 
     def _has_new_bytes(self, t: Tail) -> bool:
         """Blocking: does the tail's file hold bytes past its committed offset (any, before its first upload)?
