@@ -220,6 +220,7 @@ class WriterLease:
         self.acquired_at = 0.0
         self.expires_at = 0.0
         self.last_error = ""
+        self.renew_failures = 0  # renewals the store did not answer (metrics: errors of type lease_renewal)
         self.other: LeaseRecord | None = None  # the other holder that refused us, if any
         # set once another mount took the lease over from us: our view of the store is stale from then on, so
         # this daemon never takes the lease again (not even once the other one's lapses)
@@ -463,6 +464,7 @@ class WriterLease:
             except (LeaseHeld, Fenced) as e:  # taken over: said once, by _fence_off and the line below
                 self.last_error = str(e)
             except (ObjectStoreError, ValueError, OSError) as e:
+                self.renew_failures += 1
                 self.last_error = f"lease renewal failed: {e}"
                 log.warning("%s", self.last_error)
             if not self.held() and time.monotonic() - lost_logged_at >= self.ttl:
