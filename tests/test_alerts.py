@@ -8,6 +8,8 @@ fire under its fault and clear after it, as seen through Prometheus's own /api/v
 
 * S3 through the fault proxy, the store answering 503 to everything: upload backlog age, RPO lag, object store down,
   object store errors, writer lease lost; then the store back: all clear.
+* a mount under `tierfs supervise` whose daemon is killed -9: fail-stop fires (the supervisor's remount count),
+  and clears once the window has passed.
 * a posix store on a 64 MiB tmpfs hot dir, the evictor failing at its failpoint: worker restarts; the tmpfs filled
   to 95 %: hot dir nearly full; the daemon killed -9: daemon gone; and each clears (filler removed, remount).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 from mountutil import free_port, tmpfs, wait_for
 from must_run import missing_tool_reason
+from test_failstop import SupervisedMount
 from prometheus_client.parser import text_string_to_metric_families
 from test_tiering import TIER_OPTS, copy_in, reference_store, s3_opts  # noqa: F401
 
@@ -36,7 +39,7 @@ SCRAPE_CONFIG = REPO / "examples" / "prometheus" / "prometheus.yml"
 DASHBOARD = REPO / "examples" / "grafana" / "tierfs.json"
 JOB = "tierfs"  # the job name the rules (TierfsDaemonDown) expect
 
-ALERTS = {"TierfsDaemonDown", "TierfsUploadBacklogStale", "TierfsRPOLag", "TierfsObjectStoreDown",
+ALERTS = {"TierfsDaemonDown", "TierfsFailStop", "TierfsUploadBacklogStale", "TierfsRPOLag", "TierfsObjectStoreDown",
           "TierfsObjectStoreErrors", "TierfsWorkerRestarting", "TierfsLeaseLost", "TierfsHotDirNearlyFull"}
 # Per alert, the production threshold as the shipped file writes it and the test's (seconds scaled down; ratios
 # and counts are kept). A file that no longer carries the production text fails the rendering.
@@ -44,7 +47,13 @@ TEST_THRESHOLDS = {
     "TierfsUploadBacklogStale": ("> 1800", "> 4"),
     "TierfsRPOLag": ("> 300", "> 4"),
     "TierfsObjectStoreDown": ("> 120", "> 3"),
+    "TierfsFailStop": ("< 3600", "< 8"),
 }
+# alerts with no `for:`: one restart or fail-stop is the news
+NO_FOR = {"TierfsWorkerRestarting", "TierfsFailStop"}
+# dashboard series only some mounts export, and the test that sees them
+CONDITIONAL = {"tierfs_supervisor_remounts_total": "test_fail_stop_fires_and_clears",
+               "tierfs_supervisor_last_failstop_timestamp_seconds": "test_fail_stop_fires_and_clears"}
 TEST_FOR = "1s"
 TEST_WINDOW = "5s"
 LEASE_TTL = 6.0  # lease.ttl_seconds of the S3 mount: its lease lapses ~5.4 s into an outage
@@ -60,7 +69,8 @@ def alert_blocks(text: str) -> dict[str, str]:
 
 
 def _seconds(duration: str) -> float:
-    return sum(float(n) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[u] for n, u in re.findall(r"(\d+)([smhd])", duration))
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    return sum(float(n) * unit[u] for n, u in re.findall(r"(\d+)([smhd])", duration))
 
 
 def for_test(text: str) -> str:
@@ -242,7 +252,7 @@ def test_rules_and_dashboard_are_valid(prometheus, tmp_path):
         assert f'runbook: "README.md#monitoring-a-fleet ({name})"' in block, name
         assert f"`{name}`" in readme, f"README's Monitoring a fleet does not explain {name}"
         durations = re.findall(r"(?m)^\s*for: (\S+)", block)
-        if name != "TierfsWorkerRestarting":
+        if name not in NO_FOR:
             assert durations and _seconds(durations[0]) >= 60, (name, durations)
         for window in re.findall(r"\[(\d+[smhd])\]", block):
             assert _seconds(window) >= 300, (name, window)
@@ -301,7 +311,7 @@ def test_s3_outage_fires_and_clears_store_backlog_rpo_and_lease_alerts(mount_sto
     body = urllib.request.urlopen(f"http://{instance}/metrics", timeout=10).read().decode()
     exported = exported_samples(body)
     for expr in dashboard_exprs():
-        missing = metric_names(expr) - exported
+        missing = metric_names(expr) - exported - set(CONDITIONAL)
         assert not missing, f"dashboard query {expr!r} names metrics tierfs does not export: {sorted(missing)}"
         prom.query(concrete(expr))  # answers (a query Prometheus refuses raises)
 
@@ -366,3 +376,35 @@ def test_worker_restart_hot_dir_full_and_daemon_gone_fire_and_clear(mount_store,
     prom.wait_clear(instance, {"TierfsDaemonDown"}, timeout=60, what="once the daemon is mounted again")
     prom.wait_scraped(instance)
     assert "TierfsDaemonDown" not in prom.active(instance)
+
+
+def test_fail_stop_fires_and_clears(tmp_path, fuse_required, prometheus):
+    """`tierfs mount --supervise`: the daemon exports the supervisor's fail-stops (0, never); kill -9 of the daemon
+    makes the supervisor fail-stop and remount, the new daemon exports 1 and its time, and TierfsFailStop fires,
+    then clears once that time is old enough (8 s in the test, an hour shipped)."""
+    port = free_port()
+    instance = f"127.0.0.1:{port}"
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "mnt").mkdir()
+    m = SupervisedMount(tmp_path / "hot", tmp_path / "mnt", options=[f"metrics.listen={instance}"])
+    try:
+        m.mount()
+        prom = prometheus([instance])
+        prom.wait_scraped(instance)
+        prom.wait_clear(instance, ALERTS, timeout=60, what="before any fault")
+        body = urllib.request.urlopen(f"http://{instance}/metrics", timeout=10).read().decode()
+        assert "tierfs_supervisor_remounts_total 0.0" in body, body[:3000]
+        assert "tierfs_supervisor_last_failstop_timestamp_seconds 0.0" in body, body[:3000]
+        for expr in dashboard_exprs():
+            if metric_names(expr) & set(CONDITIONAL):
+                prom.query(concrete(expr))
+
+        os.kill(m.pid, signal.SIGKILL)
+        prom.wait_firing(instance, {"TierfsFailStop"}, timeout=120, what="after the daemon was killed -9")
+        assert m.state()["remounts"] == 1
+        m.pid = m.state()["daemon"]
+        now = prom.query(f'tierfs_supervisor_remounts_total{{instance="{instance}"}}')
+        assert [r["value"][1] for r in now] == ["1"], now
+        prom.wait_clear(instance, {"TierfsFailStop"}, timeout=60, what="once the remount left the window")
+    finally:
+        m.cleanup()

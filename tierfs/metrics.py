@@ -37,6 +37,7 @@ from prometheus_client.core import (
 
 from tierfs import __version__
 from tierfs.config import Config
+from tierfs.fs.supervisor import supervisor_failstops
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class StateCollector:
         self.cache_budget = int(config["cache.max_bytes"])
         self.readahead_budget = int(config["readahead.budget_bytes"])
         self.readahead_max = int(config["readahead.max_blocks"])
+        self.failstops = supervisor_failstops()  # None: not started by a supervisor
 
     def collect(self) -> Iterator[Metric]:
         yield from self._fuse()
@@ -125,6 +127,13 @@ class StateCollector:
         info.add_metric([__version__, eng.store_id if eng is not None else ""], 1)
         yield info
         yield GaugeMetricFamily(PREFIX + "uptime_seconds", "Seconds since mount.", value=time.time() - st.started)
+        if self.failstops is not None:
+            count, last = self.failstops
+            yield CounterMetricFamily(PREFIX + "supervisor_remounts", "Fail-stops of this mount's supervisor (tierfs "
+                                      "supervise): daemons that died and were replaced, the store's holders "
+                                      "killed, since the supervisor started.", value=count)
+            yield GaugeMetricFamily(PREFIX + "supervisor_last_failstop_timestamp_seconds", "Unix time of the "
+                                    "supervisor's last fail-stop (0: none).", value=last)
         yield GaugeMetricFamily(PREFIX + "open_files", "File handles open through the mount.",
                                 value=len(self.ops._fh_inode))
         yield CounterMetricFamily(PREFIX + "fuse_read_bytes", "Bytes answered to FUSE reads.", value=st.bytes_read)
