@@ -261,10 +261,11 @@ class StateCollector:
         errors.add_metric(["append_upload"], alog.put_failures if alog is not None else 0)
         errors.add_metric(["lease_renewal"], eng.lease.renew_failures if eng.lease is not None else 0)
         yield errors
-        down = eng.store_down_since
+        # failing uploads or fetches, or lease renewals (the one request an idle writable mount keeps making)
+        downs = [t for t in (eng.store_down_since, eng.lease.failing_since if eng.lease is not None else None) if t]
         yield GaugeMetricFamily(PREFIX + "objectstore_down_seconds",
-                                "How long the object store has been failing (0: answering).",
-                                value=time.time() - down if down else 0.0)
+                                "How long the object store has been failing uploads, fetches or lease renewals "
+                                "(0: answering).", value=time.time() - min(downs) if downs else 0.0)
 
         yield from self._hot_dir(eng.hot)
 
