@@ -137,6 +137,8 @@ class Prometheus:
                 ["prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
+
+    def wait_ready(self) -> None:
         wait_for(self._ready, timeout=60, what=f"prometheus ready on {self.url}")
 
     def _ready(self) -> bool:
@@ -223,7 +225,8 @@ def prometheus(tmp_path: Path):
 
     def start(targets: list[str]) -> Prometheus:
         p = Prometheus(tmp_path / f"prometheus{len(made)}", targets, for_test(RULES.read_text()))
-        made.append(p)
+        made.append(p)  # stopped at teardown even if it never gets ready
+        p.wait_ready()
         return p
     yield start
     for p in made:
@@ -341,7 +344,7 @@ def small_tmpfs(tmp_path: Path):
         yield ram
 
 
-def test_worker_restart_hot_dir_full_and_daemon_gone_fire_and_clear(mount_store, reference_store, small_tmpfs,
+def test_worker_restart_hot_dir_full_and_daemon_gone_fire_and_clear(small_tmpfs, mount_store, reference_store,
                                                                     prometheus):
     """A posix-store mount on a 64 MiB tmpfs whose evictor fails at its failpoint: worker restarts fire while
     tiering makes it evict, and clear once it stops failing; a filler leaving 5 % of the tmpfs free: hot dir
