@@ -16,6 +16,7 @@ fire under its fault and clear after it, as seen through Prometheus's own /api/v
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -344,6 +345,25 @@ def small_tmpfs(tmp_path: Path):
         yield ram
 
 
+def fill_leaving(filler: Path, share: float) -> None:
+    """Allocate `filler` until `share` of its file system is left free (the daemon may write meanwhile: a
+    too-large request, refused whole by tmpfs, is made again from a fresh look)."""
+    for _ in range(5):
+        sv = os.statvfs(filler.parent)
+        want = sv.f_bavail * sv.f_frsize - int(sv.f_blocks * sv.f_frsize * share)
+        if want <= 0:
+            return
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, os.fstat(fd).st_size, want)
+            return
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        finally:
+            os.close(fd)
+    raise AssertionError(f"could not fill {filler.parent} to {1 - share:.0%}")
+
+
 def test_worker_restart_hot_dir_full_and_daemon_gone_fire_and_clear(small_tmpfs, mount_store, reference_store,
                                                                     prometheus):
     """A posix-store mount on a 64 MiB tmpfs whose evictor fails at its failpoint: worker restarts fire while
@@ -365,14 +385,8 @@ def test_worker_restart_hot_dir_full_and_daemon_gone_fire_and_clear(small_tmpfs,
     # the evictor stops failing once the cache is under budget and nothing more is tiered
     prom.wait_clear(instance, {"TierfsWorkerRestarting"}, timeout=180, what="once the evictor stops failing")
 
-    sv = os.statvfs(small_tmpfs)
-    keep = sv.f_blocks * sv.f_frsize // 20  # 5 % free
     filler = small_tmpfs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, sv.f_bavail * sv.f_frsize - keep)
-    finally:
-        os.close(fd)
+    fill_leaving(filler, 0.05)
     prom.wait_firing(instance, {"TierfsHotDirNearlyFull"}, timeout=60, what="with the tmpfs 95 % full")
     filler.unlink()
     prom.wait_clear(instance, {"TierfsHotDirNearlyFull"}, timeout=60, what="once the filler is gone")
