@@ -8,6 +8,8 @@ fire under its fault and clear after it, as seen through Prometheus's own /api/v
 
 * S3 through the fault proxy, the store answering 503 to everything: upload backlog age, RPO lag, object store down,
   object store errors, writer lease lost; then the store back: all clear.
+* a live writable mount taken over by another (--takeover --force): lease lost (fenced) on the old one, cleared
+  when it is unmounted.
 * a mount under `tierfs supervise` whose daemon is killed -9: fail-stop fires (the supervisor's remount count),
   and clears once the window has passed.
 * a posix store on a 64 MiB tmpfs hot dir, the evictor failing at its failpoint: worker restarts; the tmpfs filled
@@ -31,6 +33,7 @@ import pytest
 from mountutil import free_port, tmpfs, wait_for
 from must_run import missing_tool_reason
 from test_failstop import SupervisedMount
+from test_rpo import takeover, wait_round_after
 from prometheus_client.parser import text_string_to_metric_families
 from test_tiering import TIER_OPTS, copy_in, reference_store, s3_opts  # noqa: F401
 
@@ -336,6 +339,32 @@ def test_s3_outage_fires_and_clears_store_backlog_rpo_and_lease_alerts(mount_sto
     prom.wait_clear(instance, outage, timeout=180, what="once the store answers again")
     print(f"idle outage alerts firing after {idle:.1f} s, all after {fired:.1f} s, all clear {time.monotonic() - t1:.1f} s after the store came "
           f"back")
+
+
+def test_takeover_fires_lease_lost_on_the_mount_taken_over(tmp_path, mount_store, prometheus):
+    """Split brain averted: a takeover (--takeover --force) of a live writable mount fences it; its
+    TierfsLeaseLost fires with tierfs_lease_fenced 1, and clears once that mount is unmounted (the runbook)."""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    port = free_port()
+    instance = f"127.0.0.1:{port}"
+    opts = [TIER_OPTS, f"objectstore.url=file://{objects},store.id=fleet,tiering.rpo_seconds=1,"
+                       f"lease.ttl_seconds={LEASE_TTL}"]
+    a = mount_store(options=[*opts, f"metrics.listen={instance}"])
+    (a.mnt / "f").write_bytes(b"x" * 4096)
+    prom = prometheus([instance])
+    prom.wait_scraped(instance)
+    prom.wait_clear(instance, ALERTS, timeout=60, what="before any fault")
+    wait_round_after(a, time.time())  # a consistent point to take over from
+    b, _ = takeover(tmp_path, f"file://{objects}/fleet", opts, "b")
+    try:
+        prom.wait_firing(instance, {"TierfsLeaseLost"}, timeout=120, what="on the mount taken over")
+        fenced = prom.query(f'tierfs_lease_fenced{{instance="{instance}"}}')
+        assert [r["value"][1] for r in fenced] == ["1"], fenced
+        a.umount()
+        prom.wait_clear(instance, {"TierfsLeaseLost"}, timeout=60, what="once the fenced mount is unmounted")
+    finally:
+        b.cleanup()
 
 
 @pytest.fixture
