@@ -43,6 +43,7 @@ from tierfs.tier.catalog import State
 if TYPE_CHECKING:
     from tierfs.fs.operations import TierOperations
     from tierfs.fs.stats import OpStats
+    from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.metrics")
 
@@ -287,9 +288,8 @@ class StateCollector:
         yield GaugeMetricFamily(PREFIX + "prefetch_budget_bytes", "The read-ahead budget (readahead.budget_bytes).",
                                 value=self.readahead_budget)
 
-
     @staticmethod
-    def _lease(eng) -> Iterator[Metric]:
+    def _lease(eng: Engine) -> Iterator[Metric]:
         """The writer lease of a writable mount (none on a read-only one): while it is not held, nothing is
         uploaded, deleted or snapshotted; fenced means taken over for good (only a remount writes again)."""
         lease = eng.lease
@@ -302,7 +302,7 @@ class StateCollector:
                                 "daemon never writes to the store again (remount it).", value=1 if lease.fenced else 0)
 
     @staticmethod
-    def _hot_dir(hot: object) -> Iterator[Metric]:
+    def _hot_dir(hot: str | os.PathLike) -> Iterator[Metric]:
         """Space of the hot dir's file system as the broker's writes and the catalog need it (statvfs)."""
         try:
             sv = os.statvfs(hot)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("tierfs.supervisor")
 
 SUPERVISOR_FD_ENV = "TIERFS_SUPERVISOR_FD"
-# the supervisor's fail-stops before it started this daemon ("COUNT LAST_UNIX_TIME", "0 0" for its first daemon),
+# the supervisor's fail-stops before it started this daemon ("COUNT LAST_UNIX_TIME", "0 0.0" for its first daemon),
 # so the daemon's metrics carry the deaths of the daemons before it
 SUPERVISOR_FAILSTOPS_ENV = "TIERFS_SUPERVISOR_FAILSTOPS"
 FUSE_DEVICE = "/dev/fuse"
