@@ -26,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -241,6 +243,22 @@ def lazy_unmount(mountpoint: str | os.PathLike, timeout: float = 30) -> None:
         if not any(m == mp for _, m, _t in mount_table()):
             return
         run(["fusermount3", "-uz", mp], timeout=timeout)
+
+
+@contextmanager
+def tmpfs(mp: Path, size: str, name: str = "tmpfs") -> Iterator[Path]:
+    """A tmpfs of `size` (mount's size=, e.g. "64m") mounted at `mp` (created) for the block, then unmounted
+    (lazily if busy). Needs root. As a fixture, request it before mount_store so it is torn down after the mount."""
+    if not is_root():
+        pytest.skip("mounting a tmpfs needs root")
+    mp.mkdir(parents=True, exist_ok=True)
+    run(["mount", "-t", "tmpfs", "-o", f"size={size}", name, mp], check=True)
+    try:
+        yield mp
+    finally:
+        run(["umount", mp], timeout=30)
+        if os.path.ismount(mp):
+            run(["umount", "-l", mp], timeout=30)
 
 
 def evict(path: str | os.PathLike) -> None:

@@ -16,7 +16,7 @@ import shutil
 from mountutil import fuse_unavailable_reason, is_root
 
 # Tools the tests run as processes: binary -> Debian package (mount-scripts/test installs them).
-TOOLS = {"fio": "fio", "stress-ng": "stress-ng"}
+TOOLS = {"fio": "fio", "stress-ng": "stress-ng", "prometheus": "prometheus", "promtool": "prometheus"}
 
 # Skip reasons (substrings) that say "not this parameter", never "not this machine": they stay skips.
 NOT_APPLICABLE = (

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mountutil import evict, fd_targets, is_root, run, wait_for
+from mountutil import evict, fd_targets, run, tmpfs, wait_for
 from test_store_mount import PRODUCER, SMALL
 from test_tiering import TIER_OPTS, copy_in, segments, status
 
@@ -320,17 +320,8 @@ def test_10000_files_open_at_once(mount_store):
 def small_tmpfs(tmp_path):
     """A 32 MiB tmpfs to hold the hot dir, unmounted after the mount on it is gone (request it before
     mount_store, so it is torn down after it)."""
-    if not is_root():
-        pytest.skip("mounting a tmpfs needs root")
-    mp = tmp_path / "tmpfs"
-    mp.mkdir()
-    run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", mp], check=True)
-    try:
+    with tmpfs(tmp_path / "tmpfs", "32m") as mp:
         yield mp
-    finally:
-        run(["umount", mp], timeout=30)
-        if os.path.ismount(mp):
-            run(["umount", "-l", mp], timeout=30)
 
 
 def fill(path: Path, limit: int) -> tuple[int, str]:

@@ -45,6 +45,9 @@ REQUIRED = {
     "tierfs_errors", "tierfs_fuse_op_seconds", "tierfs_fuse_op_errors",
     "tierfs_info", "tierfs_uptime_seconds", "tierfs_open_files", "tierfs_fuse_read_bytes", "tierfs_fuse_written_bytes",
     "tierfs_rewrites", "tierfs_identical_rewrites", "tierfs_objectstore_down_seconds",
+    # what the fleet's alerts watch (examples/prometheus/tierfs-alerts.yml)
+    "tierfs_worker_restarts", "tierfs_lease_held", "tierfs_lease_fenced", "tierfs_hot_dir_size_bytes",
+    "tierfs_hot_dir_free_bytes",
 }
 HISTOGRAMS = {"tierfs_upload_seconds", "tierfs_upload_bytes", "tierfs_download_seconds", "tierfs_download_bytes",
               "tierfs_fuse_op_seconds", "tierfs_readahead_window_blocks"}

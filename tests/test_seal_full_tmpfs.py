@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from mountutil import wait_for
+from mountutil import tmpfs, wait_for
 
 CQ_UNIT = 20
 CQ_BYTES = 20 * 6000  # a ConsumeQueue segment of the tests' brokers (mappedFileSizeConsumeQueue)
@@ -24,14 +23,8 @@ CQ_BYTES = 20 * 6000  # a ConsumeQueue segment of the tests' brokers (mappedFile
 @pytest.fixture
 def small_tmpfs(tmp_path: Path):
     """An 8 MiB tmpfs (set up before the mount, so torn down after it)."""
-    mnt = tmp_path / "ram"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tierfs-seal-tmpfs", str(mnt)], check=True,
-                   capture_output=True)
-    try:
+    with tmpfs(tmp_path / "ram", "8m", "tierfs-seal-tmpfs") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
 
 
 def fill(path: Path) -> None:

@@ -26,7 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierfs.fs.mount import pid_alive, wait_until_mounted
-from tierfs.fs.supervisor import SUPERVISOR_FD_ENV, Holders, abort_connection, mount_dev, receive_fuse_fd
+from tierfs.fs.supervisor import (
+    SUPERVISOR_FD_ENV,
+    SUPERVISOR_FAILSTOPS_ENV,
+    Holders,
+    abort_connection,
+    mount_dev,
+    receive_fuse_fd,
+)
 
 log = logging.getLogger("tierfs.failstop")
 
@@ -50,6 +57,7 @@ class Supervisor:
         self.kill_units = list(kill_units)
         self.daemon: subprocess.Popen | None = None
         self.remounts = 0
+        self.failstop_at = 0.0  # Unix time the last daemon death was seen (0: none yet)
         self.stopping = False
 
     def run(self) -> int:
@@ -66,6 +74,7 @@ class Supervisor:
                 log.info("daemon pid %d exited %d after the unmount; supervisor done", self.daemon.pid, code)
                 return code
             log.error("daemon pid %d died (exit %d) with %s mounted: fail-stop", self.daemon.pid, code, self.mnt)
+            self.failstop_at = time.time()
             fail_stop(str(self.mnt), fuse_fd, self.kill_units)
             if self.stopping:  # asked to stop: the store stays unmounted
                 state_file(self.hot).unlink(missing_ok=True)
@@ -83,7 +92,7 @@ class Supervisor:
             if self.stopping:
                 raise SuperviseError(f"stopped before {self.mnt} was remounted")
             try:
-                fd = self._start_daemon()
+                fd = self._start_daemon(self.remounts + 1)
                 self.remounts += 1
                 self._write_state()
                 log.warning("remounted %s with daemon pid %d (remount %d)", self.mnt, self.daemon.pid,
@@ -94,12 +103,15 @@ class Supervisor:
                 time.sleep(attempt)
         raise SuperviseError(f"could not remount {self.mnt} after {REMOUNT_ATTEMPTS} attempts")
 
-    def _start_daemon(self) -> int:
-        """Start `tierfs mount --foreground`, take its FUSE device fd, wait until the mount answers."""
+    def _start_daemon(self, remounts: int = 0) -> int:
+        """Start `tierfs mount --foreground`, take its FUSE device fd, wait until the mount answers. `remounts`:
+        the fail-stops so far including the one this start follows (the daemon exports them and the time of the
+        last: tierfs_supervisor_remounts_total, tierfs_supervisor_last_failstop_timestamp_seconds)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [sys.executable, "-P", "-m", "tierfs", "mount", str(self.hot), str(self.mnt), "--foreground",
                *self.mount_args]
-        env = dict(os.environ, **{SUPERVISOR_FD_ENV: str(theirs.fileno())})
+        env = dict(os.environ, **{SUPERVISOR_FD_ENV: str(theirs.fileno()),
+                                  SUPERVISOR_FAILSTOPS_ENV: f"{remounts} {self.failstop_at}"})
         with open(os.devnull, "rb") as devnull, open(self.hot / ".tierfs" / "daemon.stderr", "ab") as err:
             self.daemon = subprocess.Popen(cmd, stdin=devnull, stdout=err, stderr=err, pass_fds=[theirs.fileno()],
                                            env=env, cwd="/")

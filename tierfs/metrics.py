@@ -15,6 +15,7 @@ slightly moving picture but never fails; counters stay monotonic because they ar
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
@@ -36,11 +37,13 @@ from prometheus_client.core import (
 
 from tierfs import __version__
 from tierfs.config import Config
+from tierfs.fs.supervisor import supervisor_failstops
 from tierfs.tier.catalog import State
 
 if TYPE_CHECKING:
     from tierfs.fs.operations import TierOperations
     from tierfs.fs.stats import OpStats
+    from tierfs.tier.engine import Engine
 
 log = logging.getLogger("tierfs.metrics")
 
@@ -50,6 +53,9 @@ PREFIX = "tierfs_"
 _FUSE_EDGES_NS = [1 << e for e in range(10, 35)]  # 1.0 us .. 17 s
 _SIZE_BUCKETS = tuple(float(1 << e) for e in range(12, 32, 2))  # 4 KiB .. 1 GiB
 CONTROL_TTL = 0.1
+# supervised workers exported from 0 restarts (others appear at their first restart)
+_WORKERS = ("sealer", "uploader", "evictor", "janitor", "snapshotter", "compaction", "lease", "upload-sweep",
+            "appendlog", "flusher", "primer", "follow")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
 
@@ -107,6 +113,7 @@ class StateCollector:
         self.cache_budget = int(config["cache.max_bytes"])
         self.readahead_budget = int(config["readahead.budget_bytes"])
         self.readahead_max = int(config["readahead.max_blocks"])
+        self.failstops = supervisor_failstops()  # None: not started by a supervisor
 
     def collect(self) -> Iterator[Metric]:
         yield from self._fuse()
@@ -121,6 +128,13 @@ class StateCollector:
         info.add_metric([__version__, eng.store_id if eng is not None else ""], 1)
         yield info
         yield GaugeMetricFamily(PREFIX + "uptime_seconds", "Seconds since mount.", value=time.time() - st.started)
+        if self.failstops is not None:
+            count, last = self.failstops
+            yield CounterMetricFamily(PREFIX + "supervisor_remounts", "Fail-stops of this mount's supervisor (tierfs "
+                                      "supervise): daemons that died and were replaced, the store's holders "
+                                      "killed, since the supervisor started.", value=count)
+            yield GaugeMetricFamily(PREFIX + "supervisor_last_failstop_timestamp_seconds", "Unix time of the "
+                                    "supervisor's last fail-stop (0: none).", value=last)
         yield GaugeMetricFamily(PREFIX + "open_files", "File handles open through the mount.",
                                 value=len(self.ops._fh_inode))
         yield CounterMetricFamily(PREFIX + "fuse_read_bytes", "Bytes answered to FUSE reads.", value=st.bytes_read)
@@ -190,10 +204,11 @@ class StateCollector:
 
         restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Restarts of a supervised background worker "
                                        "after it failed (the mount stays up).", labels=["worker"])
-        for name in ("sealer", "uploader", "evictor", "janitor", "snapshotter", "compaction", "lease",
-                     "upload-sweep", "appendlog"):
-            restarts.add_metric([name], eng.workers.restarts.get(name, 0))
+        got_restarts = dict(eng.workers.restarts)  # one C-level copy: the loop may add a worker meanwhile
+        for name in sorted(set(_WORKERS) | set(got_restarts)):  # each from 0, so increase() sees its first
+            restarts.add_metric([name], got_restarts.get(name, 0))
         yield restarts
+        yield from self._lease(eng)
         alog = getattr(eng, "appendlog", None)
         if alog is not None:
             lag = GaugeMetricFamily(PREFIX + "rpo_lag_seconds", "Achieved RPO: age of the oldest write the bucket "
@@ -245,11 +260,15 @@ class StateCollector:
         errors.add_metric(["upload"], s.upload_failures)
         # continuous tiering's append objects that failed (a file deleted before its upload is not one)
         errors.add_metric(["append_upload"], alog.put_failures if alog is not None else 0)
+        errors.add_metric(["lease_renewal"], eng.lease.renew_failures if eng.lease is not None else 0)
         yield errors
-        down = eng.store_down_since
+        # failing uploads or fetches, or lease renewals (the one request an idle writable mount keeps making)
+        downs = [t for t in (eng.store_down_since, eng.lease.failing_since if eng.lease is not None else None) if t]
         yield GaugeMetricFamily(PREFIX + "objectstore_down_seconds",
-                                "How long the object store has been failing (0: answering).",
-                                value=time.time() - down if down else 0.0)
+                                "How long the object store has been failing uploads, fetches or lease renewals "
+                                "(0: answering).", value=time.time() - min(downs) if downs else 0.0)
+
+        yield from self._hot_dir(eng.hot)
 
         windows = [ra.window for ra in list(eng.cache.streams.values())]
         yield GaugeMetricFamily(PREFIX + "readahead_streams", "Open read streams of tiered segments.",
@@ -268,6 +287,32 @@ class StateCollector:
                                 value=eng.cache.prefetch_inflight)
         yield GaugeMetricFamily(PREFIX + "prefetch_budget_bytes", "The read-ahead budget (readahead.budget_bytes).",
                                 value=self.readahead_budget)
+
+    @staticmethod
+    def _lease(eng: Engine) -> Iterator[Metric]:
+        """The writer lease of a writable mount (none on a read-only one): while it is not held, nothing is
+        uploaded, deleted or snapshotted; fenced means taken over for good (only a remount writes again)."""
+        lease = eng.lease
+        if lease is None:
+            return
+        yield GaugeMetricFamily(PREFIX + "lease_held", "1 while this mount holds the store id's writer lease "
+                                "(uploads, deletes and snapshots run), 0 while it does not.",
+                                value=1 if lease.held() else 0)
+        yield GaugeMetricFamily(PREFIX + "lease_fenced", "1 once another mount took the writer lease over: this "
+                                "daemon never writes to the store again (remount it).", value=1 if lease.fenced else 0)
+
+    @staticmethod
+    def _hot_dir(hot: str | os.PathLike) -> Iterator[Metric]:
+        """Space of the hot dir's file system as the broker's writes and the catalog need it (statvfs)."""
+        try:
+            sv = os.statvfs(hot)
+        except OSError as e:
+            log.warning("metrics: statvfs of the hot dir %s failed: %s", hot, e)
+            return
+        yield GaugeMetricFamily(PREFIX + "hot_dir_size_bytes", "Size of the hot dir's file system.",
+                                value=sv.f_blocks * sv.f_frsize)
+        yield GaugeMetricFamily(PREFIX + "hot_dir_free_bytes", "Bytes of the hot dir's file system available to "
+                                "unprivileged writers (statvfs f_bavail).", value=sv.f_bavail * sv.f_frsize)
 
 
 def _nothing_to_copy() -> Generator[None, None, None]:

@@ -21,8 +21,21 @@ from dataclasses import dataclass, field
 log = logging.getLogger("tierfs.supervisor")
 
 SUPERVISOR_FD_ENV = "TIERFS_SUPERVISOR_FD"
+# the supervisor's fail-stops before it started this daemon ("COUNT LAST_UNIX_TIME", "0 0.0" for its first daemon),
+# so the daemon's metrics carry the deaths of the daemons before it
+SUPERVISOR_FAILSTOPS_ENV = "TIERFS_SUPERVISOR_FAILSTOPS"
 FUSE_DEVICE = "/dev/fuse"
 FUSECTL = "/sys/fs/fuse/connections"
+
+
+def supervisor_failstops() -> tuple[int, float] | None:
+    """(fail-stops, Unix time of the last one) of this daemon's supervisor before it started this daemon; None
+    when not supervised."""
+    try:
+        count, at = os.environ[SUPERVISOR_FAILSTOPS_ENV].split()
+        return int(count), float(at)
+    except (KeyError, ValueError):
+        return None
 
 
 def fuse_device_fd() -> int:

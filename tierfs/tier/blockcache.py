@@ -908,6 +908,7 @@ class BlockCache:
                     for buf in bufs:  # the fetch's own hold: the pool and installs hold what they keep
                         self.pool.buffers.release(buf)
                 if bad is None:
+                    self.eng.store_down_since = None  # it answered: any outage is over
                     stats.fetches += 1
                     stats.fetch_bytes += nbytes
                     self.eng.observe("download", time.monotonic() - t0, nbytes)

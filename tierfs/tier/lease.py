@@ -220,6 +220,8 @@ class WriterLease:
         self.acquired_at = 0.0
         self.expires_at = 0.0
         self.last_error = ""
+        self.renew_failures = 0  # renewals the store did not answer (metrics: errors of type lease_renewal)
+        self.failing_since: float | None = None  # time.time() of the first of the renewals failing now, if any
         self.other: LeaseRecord | None = None  # the other holder that refused us, if any
         # set once another mount took the lease over from us: our view of the store is stale from then on, so
         # this daemon never takes the lease again (not even once the other one's lapses)
@@ -455,6 +457,7 @@ class WriterLease:
             was_held = self.held()
             try:
                 await trio.to_thread.run_sync(self.renew, limiter=limiter)
+                self.failing_since = None
                 if not was_held:
                     log.warning("writer lease epoch %d held: uploads, deletes and snapshots run", self.epoch)
                     lost_logged_at = 0.0
@@ -463,6 +466,8 @@ class WriterLease:
             except (LeaseHeld, Fenced) as e:  # taken over: said once, by _fence_off and the line below
                 self.last_error = str(e)
             except (ObjectStoreError, ValueError, OSError) as e:
+                self.renew_failures += 1
+                self.failing_since = self.failing_since or time.time()
                 self.last_error = f"lease renewal failed: {e}"
                 log.warning("%s", self.last_error)
             if not self.held() and time.monotonic() - lost_logged_at >= self.ttl:

@@ -28,7 +28,7 @@ import crc32c
 import trio
 
 from tierfs import failpoints
-from tierfs.objectstore.base import ObjectStoreError
+from tierfs.objectstore.base import Fenced, ObjectStoreError
 from tierfs.tier import layout, sealcopy, units
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
@@ -142,6 +142,8 @@ class Uploader:
                         continue
                     eng.stats.upload_failures += 1
                     eng.stats.last_error = f"upload {e.path}: {err}"
+                    if isinstance(err, ObjectStoreError) and not isinstance(err, Fenced):  # metrics: store failing
+                        eng.store_down_since = eng.store_down_since or time.time()
                     if isinstance(err, ValueError):  # the store refuses this segment's object key: never tiered
                         log.error("%s cannot be tiered (%s); it stays local", e.path, err)
                         await self._keep_local(e)
