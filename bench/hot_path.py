@@ -298,7 +298,7 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.FuseMou
         timeout = args.seconds * 6 + 300
         C.syncfs(native)  # start each run with no dirty data from the previous one (flush only, no drop)
         before = mnt.stats() if side == "mount" else None
-        cpu0, dcpu0 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+        cpu0, dcpu0 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
         if side == "mount" and (prof_dir is not None or args.perf):
             with contextlib.ExitStack() as stack:
                 if prof_dir is not None:
@@ -309,22 +309,25 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.FuseMou
                     pdata.parent.mkdir(parents=True, exist_ok=True)
                     stack.enter_context(C.perf_record(mnt.pid, pdata))
                 res = C.run_child(argv, timeout, env)
-                cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+                cpu1, dcpu1 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
             if prof_dir is not None:
                 res["profile"] = str(prof)
             if args.perf:
                 res["perf_data"] = str(pdata)
         else:
             res = C.run_child(argv, timeout, env)
-            cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+            cpu1, dcpu1 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
         res["client_cpu_s"] = round(cpu1 - cpu0, 3)
         work = _work_of(wl, res)
         if side == "mount":
             res["fuse"] = C.stats_delta(before, mnt.stats())
-            res["daemon_cpu_s"] = round(dcpu1 - dcpu0, 3)
+            # the daemon's CPU with its helper processes' (flusher, write primer), see C.tree_cpu
+            dcpu = dcpu1.total - dcpu0.total
+            res["daemon_cpu_s"] = round(dcpu, 3)
+            res["helpers_cpu_s"] = round(dcpu1.helpers - dcpu0.helpers, 3)
             # CPU the daemon spent per unit of work: ms per GB (a, c) or us per operation (b, d)
             if work:
-                res["daemon_cpu_per_work"] = round((dcpu1 - dcpu0) * (1e12 / work if wl in "ac" else 1e6 / work), 2)
+                res["daemon_cpu_per_work"] = round(dcpu * (1e12 / work if wl in "ac" else 1e6 / work), 2)
                 res["daemon_cpu_unit"] = "ms/GB" if wl in "ac" else "us/op"
         if wl in ("a", "b"):
             t = time.perf_counter()
@@ -387,6 +390,7 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
                           rng(r), r["target"], verdict, dcpu(r)])
     C.print_table(["workload", "unit", "native", "mount", "mount/native", "range", "target", "", "daemon CPU"],
                   table)
+    print(f"({C.DAEMON_CPU_NOTE})")
     print()
     print("FUSE requests during the mount runs (count, mean daemon-side latency, bytes per READ/WRITE):")
     for wl, reps in results.items():
@@ -403,7 +407,7 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
         last = reps[-1]
         keys = detail[wl] + ("client_cpu_s",)
         n = {k: rounded(last["native"].get(k)) for k in keys}
-        m = {k: rounded(last["mount"].get(k)) for k in keys + ("daemon_cpu_s",)}
+        m = {k: rounded(last["mount"].get(k)) for k in keys + ("daemon_cpu_s", "helpers_cpu_s")}
         print(f"  {wl}: {json.dumps(n, default=str)} | {json.dumps(m, default=str)}")
     sys.stdout.flush()
 
@@ -427,6 +431,7 @@ def print_ab(results: dict, results_b: dict, label: str) -> None:
                           C.median(a["mount"].get("daemon_cpu_per_work", float("nan")) for a in reps)])
     C.print_table(["workload", "unit", "other", "other/native", "this tree", "this/other", "range", "other CPU/work",
                    "this CPU/work"], table)
+    print(f"(CPU/work: {C.DAEMON_CPU_NOTE})")
     for wl, reps in results_b.items():
         if reps[-1]["mount"]["fuse"]["ops"]:  # a tierfs daemon's stats (the C floor keeps none)
             print(f"  {wl} {label} FUSE: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
