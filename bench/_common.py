@@ -505,14 +505,17 @@ class TierfsMount(FuseMount):
 class FloorMount(FuseMount):
     """bench/fuse_floor.c, built into `build_dir` and mounted over `src`: a passthrough in C with tierfs's kernel
     settings (`tuning`: the tierfs mount's kernel_tuning(), written to this mount's bdi and fusectl). It is the
-    baseline for what FUSE itself costs, apart from what tierfs's Python request loop and engine add."""
+    baseline for what FUSE itself costs, apart from what tierfs's Python request loop and engine add.
+    `write_prime_kb` and `hole_reads` give it tierfs's write primer and its hole answer for large READs (see the
+    top of fuse_floor.c), so that what tierfs adds over it is only what Python costs."""
 
     SOURCE = Path(__file__).resolve().parent / "fuse_floor.c"
 
     def __init__(self, src: Path, mnt: Path, build_dir: Path, tuning: dict | None = None, splice: bool = False,
-                 attr_timeout: float = 1.0):
+                 attr_timeout: float = 1.0, write_prime_kb: int = 0, hole_reads: bool = False):
         self.src, self.mnt = Path(src).resolve(), Path(mnt).resolve()
         self.build_dir, self.tuning, self.splice, self.attr_timeout = Path(build_dir), tuning or {}, splice, attr_timeout
+        self.write_prime_kb, self.hole_reads = write_prime_kb, hole_reads
         self.log_path = self.build_dir / "fuse_floor.log"
         self._proc: subprocess.Popen | None = None
 
@@ -533,7 +536,8 @@ class FloorMount(FuseMount):
         self.src.mkdir(parents=True, exist_ok=True)
         self.mnt.mkdir(parents=True, exist_ok=True)
         cmd = [str(self.build()), "--timeout", str(self.attr_timeout), *(["--splice"] if self.splice else []),
-               str(self.src), str(self.mnt)]
+               *(["--write-prime", str(self.write_prime_kb)] if self.write_prime_kb else []),
+               *(["--hole-reads"] if self.hole_reads else []), str(self.src), str(self.mnt)]
         try:
             with open(self.log_path, "wb") as logf:
                 self._proc = proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
