@@ -665,6 +665,29 @@ def ceph_rgw(memstore_bytes: int | None = None, keep: bool = False) -> Iterator[
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def rgw_store_options(rgw: Any, bucket: str, prefix: str) -> str:
+    """`tierfs mount -o` value that puts the mount's objects under s3://BUCKET/PREFIX on a ceph_rgw()."""
+    return (f"objectstore.url=s3://{bucket}/{prefix},objectstore.endpoint_url={rgw.endpoint_url},"
+            f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+            f"objectstore.addressing=path")
+
+
+def rgw_cpu_seconds(rgw: Any) -> float:
+    """CPU of the RGW's processes so far (ceph-mon, the OSD, radosgw): what an object store costs this machine."""
+    return sum(proc_cpu_seconds(pid) for pid in rgw.pids().values())
+
+
+def delete_prefix(rgw: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under s3://BUCKET/PREFIX/ (a memstore OSD keeps them in RAM); how many went."""
+    client, n = rgw.client(), 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            n += len(keys)
+    return n
+
+
 # ------------------------------------------------------------------------------------------------ py-spy
 
 

@@ -888,9 +888,7 @@ def backend_opts(args: argparse.Namespace, stack: contextlib.ExitStack, base: Pa
         return f"objectstore.url=file://{base / 'objects'}", {}
     rgw = stack.enter_context(C.ceph_rgw(memstore_bytes=args.memstore, keep=args.keep))
     bucket = rgw.make_bucket(args.bucket)
-    return (f"objectstore.url=s3://{bucket}/tierfs,objectstore.endpoint_url={rgw.endpoint_url},"
-            f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-            f"objectstore.addressing=path"), {"rgw_pids": rgw.pids()}
+    return C.rgw_store_options(rgw, bucket, "tierfs"), {"rgw_pids": rgw.pids()}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -161,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.s3:
             rgw = stack.enter_context(C.ceph_rgw(memstore_bytes=2 << 30, keep=args.keep))
             bucket = rgw.make_bucket("tierfs-lag")
-            store = [f"objectstore.url=s3://{bucket}/side{i},objectstore.endpoint_url={rgw.endpoint_url},"
-                     f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-                     f"objectstore.addressing=path" for i in range(len(sides))]
+            store = [C.rgw_store_options(rgw, bucket, f"side{i}") for i in range(len(sides))]
         mounts = {}
         for i, (name, src) in enumerate(sides):
             opts = [BASE_OPTS, *([store[i]] if store[i] else []), *args.options]

@@ -443,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             rgw = stack.enter_context(C.ceph_rgw(keep=args.keep))
             bucket = rgw.make_bucket("tierfs-scale")
             store = f"Ceph RGW {rgw.endpoint_url}"
-            store_opts = [f"objectstore.url=s3://{bucket}/scale,objectstore.endpoint_url={rgw.endpoint_url},"
-                          f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-                          "objectstore.addressing=path"]
+            store_opts = [C.rgw_store_options(rgw, bucket, "scale")]
             if args.floor_objects:
                 floor_store = (f"s3://{bucket}/floor", {"endpoint_url": rgw.endpoint_url, "addressing": "path",
                                                          "access_key": rgw.access_key, "secret_key": rgw.secret_key})
