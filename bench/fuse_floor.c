@@ -529,6 +529,8 @@ static void ff_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
 		v.buf[0].fd = fi->fh;
 		v.buf[0].pos = off;
 		fuse_reply_data(req, &v, FUSE_BUF_SPLICE_MOVE);
+		if (size < LARGE_READ) /* a page READ inside a preallocated file: all of it is there */
+			page_read_by_writer(ino, fi->fh, off, size);
 		return;
 	}
 	size_t hole = hole_reads && size >= LARGE_READ ? hole_prefix(fi->fh, off, size) : 0;
