@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 PY = sys.executable
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -215,14 +215,105 @@ def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None
     return json.loads(lines[-1])
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """user+system CPU of a whole process (all threads) so far, from /proc/PID/stat."""
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name (field 3, the state, is index 0), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(") ", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
+            return f.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """user+system CPU of a whole process (all threads) so far, from /proc/PID/stat."""
+    fields = stat_fields(pid)
+    return float("nan") if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> live child pids, from one scan of /proc (this kernel may lack /proc/PID/task/TID/children)."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            f = stat_fields(int(name))
+            if f is not None:
+                kids.setdefault(int(f[1]), []).append(int(name))
+    return kids
+
+
+def _children_of(pid: int, scan: dict[int, list[int]] | None) -> list[int]:
+    """Live children of `pid`: /proc/PID/task/*/children where the kernel has it, else the /proc scan."""
+    if scan is not None:
+        return scan.get(pid, [])
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+_HAS_CHILDREN_FILE = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+class TreeCpu(NamedTuple):
+    """CPU seconds of a process tree: `own` (the root's threads), `helpers` (its descendants: the live ones' own
+    CPU plus, through cutime/cstime, every descendant already reaped), and `processes` (live ones counted)."""
+
+    own: float
+    helpers: float
+    processes: int
+
+    @property
+    def total(self) -> float:
+        return self.own + self.helpers
+
+
+def tree_cpu(pid: int | None, same_session: bool = False) -> TreeCpu:
+    """user+system CPU of `pid` and every descendant, so far (all nan if `pid` is gone or None).
+
+    A live process's own time is its utime+stime; a descendant that exited and was waited for shows only in its
+    parent's cutime+cstime (which holds the whole reaped subtree). So the sum over the live tree of
+    utime+stime+cutime+cstime counts each process once. A child reaped while the tree is being read would be
+    counted twice or not at all: the walk is repeated until no cutime moved during it. same_session=True leaves
+    out descendants that started their own session (the daemon's pipeline job, which benches count apart) and,
+    since a reaped one cannot be told apart, everything reaped: only live same-session helpers are counted then.
+    """
+    nan = float("nan")
+    if pid is None:
+        return TreeCpu(nan, nan, 0)
+    tick = os.sysconf("SC_CLK_TCK")
+    for _ in range(5):
+        root = stat_fields(pid)
+        if root is None:
+            return TreeCpu(nan, nan, 0)
+        scan = None if _HAS_CHILDREN_FILE else _children_map()
+        stats: dict[int, list[str]] = {pid: root}
+        todo = [pid]
+        while todo:
+            for c in _children_of(todo.pop(), scan):
+                f = stat_fields(c)
+                if f is None or c in stats or (same_session and f[3] != root[3]):
+                    continue
+                stats[c] = f
+                todo.append(c)
+        own = int(root[11]) + int(root[12])
+        helpers = sum(int(f[11]) + int(f[12]) for p, f in stats.items() if p != pid)
+        if not same_session:
+            helpers += sum(int(f[13]) + int(f[14]) for f in stats.values())
+        moved = any((g := stat_fields(p)) is not None and g[13:15] != f[13:15] for p, f in stats.items())
+        if not moved:
+            break
+    return TreeCpu(own / tick, helpers / tick, len(stats))
+
+
+def daemon_cpu_seconds(pid: int | None) -> float:
+    """CPU of a FUSE daemon with its helper processes (tierfs's flusher and write primer, the C floor's primer),
+    live or reaped: what every benchmark reports as "daemon CPU"."""
+    return tree_cpu(pid).total
+
+
+DAEMON_CPU_NOTE = "daemon CPU = the daemon + its helper processes (flusher, write primer; live and reaped)"
 
 
 def children_cpu_seconds() -> float:
@@ -414,14 +505,17 @@ class TierfsMount(FuseMount):
 class FloorMount(FuseMount):
     """bench/fuse_floor.c, built into `build_dir` and mounted over `src`: a passthrough in C with tierfs's kernel
     settings (`tuning`: the tierfs mount's kernel_tuning(), written to this mount's bdi and fusectl). It is the
-    baseline for what FUSE itself costs, apart from what tierfs's Python request loop and engine add."""
+    baseline for what FUSE itself costs, apart from what tierfs's Python request loop and engine add.
+    `write_prime_kb` and `hole_reads` give it tierfs's write primer and its hole answer for large READs (see the
+    top of fuse_floor.c), so that what tierfs adds over it is only what Python costs."""
 
     SOURCE = Path(__file__).resolve().parent / "fuse_floor.c"
 
     def __init__(self, src: Path, mnt: Path, build_dir: Path, tuning: dict | None = None, splice: bool = False,
-                 attr_timeout: float = 1.0):
+                 attr_timeout: float = 1.0, write_prime_kb: int = 0, hole_reads: bool = False):
         self.src, self.mnt = Path(src).resolve(), Path(mnt).resolve()
         self.build_dir, self.tuning, self.splice, self.attr_timeout = Path(build_dir), tuning or {}, splice, attr_timeout
+        self.write_prime_kb, self.hole_reads = write_prime_kb, hole_reads
         self.log_path = self.build_dir / "fuse_floor.log"
         self._proc: subprocess.Popen | None = None
 
@@ -442,7 +536,8 @@ class FloorMount(FuseMount):
         self.src.mkdir(parents=True, exist_ok=True)
         self.mnt.mkdir(parents=True, exist_ok=True)
         cmd = [str(self.build()), "--timeout", str(self.attr_timeout), *(["--splice"] if self.splice else []),
-               str(self.src), str(self.mnt)]
+               *(["--write-prime", str(self.write_prime_kb)] if self.write_prime_kb else []),
+               *(["--hole-reads"] if self.hole_reads else []), str(self.src), str(self.mnt)]
         try:
             with open(self.log_path, "wb") as logf:
                 self._proc = proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
@@ -568,6 +663,29 @@ def ceph_rgw(memstore_bytes: int | None = None, keep: bool = False) -> Iterator[
         r.close()
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def rgw_store_options(rgw: Any, bucket: str, prefix: str) -> str:
+    """`tierfs mount -o` value that puts the mount's objects under s3://BUCKET/PREFIX on a ceph_rgw()."""
+    return (f"objectstore.url=s3://{bucket}/{prefix},objectstore.endpoint_url={rgw.endpoint_url},"
+            f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
+            f"objectstore.addressing=path")
+
+
+def rgw_cpu_seconds(rgw: Any) -> float:
+    """CPU of the RGW's processes so far (ceph-mon, the OSD, radosgw): what an object store costs this machine."""
+    return sum(proc_cpu_seconds(pid) for pid in rgw.pids().values())
+
+
+def delete_prefix(rgw: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under s3://BUCKET/PREFIX/ (a memstore OSD keeps them in RAM); how many went."""
+    client, n = rgw.client(), 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            n += len(keys)
+    return n
 
 
 # ------------------------------------------------------------------------------------------------ py-spy

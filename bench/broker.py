@@ -6,18 +6,30 @@ everything from offset 0 after a broker restart, with the data evicted (tierfs) 
     python bench/broker.py [--messages 40000] [--body 1024] [--repeat 3] [--json out.json]
     python bench/broker.py --produce-only --repeat 3 [--py-spy DIR]   # produce only, native/tierfs alternated
 
-With --produce-only only the produce phase runs, native and tierfs alternated --repeat times (medians), plus a
+tierfs's objects go to a throwaway Ceph RGW on 127.0.0.1 (tests/ceph_rgw.py; a memstore OSD, so objects are in
+RAM but every GET and PUT is HTTP through radosgw), as in production on S3; --store file puts them in a file://
+directory on the same disk instead. The plug-in runs the backend its Maven artifact has: rocketmq-tiered-store
+5.5.0 ships no S3 provider (the bench lists the jar's providers and says so), so it tiers to a directory on the
+local disk with its POSIX provider.
+
+Each round runs every side once, the order rotated from round to round (native, tierfs, plug-in; then tierfs,
+plug-in, native; ...), so no side always runs first on a fresh machine or right after another's writeback; the
+ratios printed are the medians of the per-round paired ratios, with every round's.
+
+With --produce-only only the produce phase runs, native and tierfs rotated --repeat times (medians), plus a
 tierfs mount with continuous tiering off (tiering.rpo_seconds=0) so its cost shows in the same run; the FUSE
 requests of each tierfs produce are printed. --variant NAME[@SRC]=OPTS adds a tierfs mount with other options or
 from another source tree (an A/B in the same run); --py-spy DIR samples the daemon during its produce phases.
 
 Ratios printed: produce tierfs/native (aim >= 0.9), p99 native/tierfs, lagging read tierfs/native (aim >= 0.7)
-and tierfs/plug-in (aim >= 1.0). CPU seconds of the broker (and of the tierfs daemon) per phase. The broker
-runs flushDiskType=SYNC_FLUSH in all three (an acknowledged message is on disk). tierfs runs its defaults
-otherwise, continuous tiering included. Before the lagging read the broker is restarted and the store's files
-(and tierfs's hot dir and object store, and the plug-in's tier files) are dropped from the page cache with
-POSIX_FADV_DONTNEED, so no configuration reads from memory it kept from the produce phase.
-Needs the Maven artifacts that ./mount-scripts/test resolves (tests/brokerutil.py).
+and tierfs/plug-in (aim >= 1.0). CPU seconds per phase of the broker, of the tierfs daemon with its helper
+processes (flusher, write primer) and of the RGW's processes while tierfs runs (on this machine they share the
+cores with the broker). The broker runs flushDiskType=SYNC_FLUSH in all three (an acknowledged message is on
+disk). tierfs runs its defaults otherwise, continuous tiering included. Before the lagging read the broker is
+restarted and the store's files (and tierfs's hot dir, and the plug-in's tier files) are dropped from the page
+cache with POSIX_FADV_DONTNEED, so no configuration reads from memory it kept from the produce phase (the RGW's
+memstore cannot be dropped: tierfs's GETs are served from its RAM).
+Needs the Maven artifacts that ./mount-scripts/test resolves (tests/brokerutil.py) and Ceph (tests/ceph_rgw.py).
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import signal
 import statistics
 import sys
 import time
+import zipfile
 from pathlib import Path
+from typing import Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -44,6 +58,77 @@ CACHE = "8MiB"
 TIER_OPTS = (f"tiering.enabled=true,cache.max_bytes={CACHE},cache.block_bytes=256KiB,objectstore.chunk_bytes=1MiB,"
              "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,compaction.enabled=false,"
              f"broker.max_hash_slot_num={B.HASH_SLOTS},broker.max_index_num={B.INDEX_NUM}")
+SIDES = ("native", "tierfs", "plugin")
+BUCKET = "tierfs-bench-broker"
+PROVIDERS = "org/apache/rocketmq/tieredstore/provider/"
+
+
+class ObjectStore:
+    """Where the tierfs mounts put their objects: a Ceph RGW on 127.0.0.1, or (rgw None) a file:// directory."""
+
+    def __init__(self, rgw: object | None):
+        self.rgw = rgw
+        if rgw is not None:
+            rgw.make_bucket(BUCKET)  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        if self.rgw is None:
+            return "tierfs objects: file:// directory on the same disk (--store file)"
+        url = getattr(self.rgw, "endpoint_url", "?")
+        return (f"tierfs objects: Ceph RGW at {url} (memstore OSD: objects in RAM, every PUT/GET over HTTP through "
+                f"radosgw), bucket {BUCKET}")
+
+    def options(self, run: Path, name: str) -> str:
+        if self.rgw is None:
+            return f"objectstore.url=file://{run / 'objects'}"
+        return C.rgw_store_options(self.rgw, BUCKET, name)
+
+    def backing(self, run: Path) -> tuple[Path, ...]:
+        """Local directories holding the objects, dropped from the page cache before a lagging read."""
+        return (run / "objects",) if self.rgw is None else ()
+
+    def cpu(self) -> float:
+        return C.rgw_cpu_seconds(self.rgw) if self.rgw is not None else 0.0
+
+    def forget(self, name: str) -> None:
+        """Delete a finished run's objects (the memstore keeps them in RAM)."""
+        if self.rgw is not None:
+            C.delete_prefix(self.rgw, BUCKET, name)
+
+
+@contextlib.contextmanager
+def object_store(kind: str, objects: int) -> Iterator[ObjectStore]:
+    if kind == "file":
+        yield ObjectStore(None)
+        return
+    with C.ceph_rgw(memstore_bytes=max(2 << 30, 4 * objects)) as rgw:
+        yield ObjectStore(rgw)
+
+
+def plugin_backend() -> tuple[str, str]:
+    """The plug-in's backend provider and why: the provider classes of the rocketmq-tiered-store jar on the
+    broker's classpath (5.5.0: FileSegment's subclasses for memory and POSIX only; the S3 one lives in
+    apache/rocketmq-externals' rocketmq-tieredstore-s3, a 0.0.1-SNAPSHOT that is not on Maven Central)."""
+    jar = next((p for p in B.classpath(VERSION).split(":") if "rocketmq-tiered-store" in Path(p).name), None)
+    if jar is None:
+        raise SystemExit(f"no rocketmq-tiered-store jar on the {VERSION} classpath ({B.classpath_file(VERSION)})")
+    with zipfile.ZipFile(jar) as z:
+        found = sorted(n[len(PROVIDERS):-len(".class")] for n in z.namelist()
+                       if n.startswith(PROVIDERS) and n.endswith("FileSegment.class") and n.count("/") == 5
+                       and n != PROVIDERS + "FileSegment.class")  # the abstract base
+    s3 = [c for c in found if "s3" in c.lower()]
+    why = (f"plug-in backend: PosixFileSegment on the local disk: {Path(jar).name} has the providers "
+           f"{', '.join(found)}")
+    why += (f" ({', '.join(s3)} is there but not wired into this bench)" if s3 else
+            "; no S3 provider resolves from Maven (apache/rocketmq-externals' rocketmq-tieredstore-s3 is an "
+            "unpublished 0.0.1-SNAPSHOT)")
+    return "org.apache.rocketmq.tieredstore.provider.PosixFileSegment", why
+
+
+def rotation(names: Sequence[str], i: int) -> list[str]:
+    """Round i's order: the list rotated by i, so each side takes every position in turn."""
+    k = i % len(names)
+    return [*names[k:], *names[:k]]
 
 
 def drop_cache(root: Path) -> None:
@@ -63,18 +148,45 @@ def mostly_evicted(mount: C.TierfsMount) -> bool:
         sum(f["resident_bytes"] < f["size"] for f in cl) * 4 >= len(cl) * 3
 
 
+def tiering_progress(mount: C.TierfsMount) -> str:
+    st = mount.status()
+    cl = [f for f in st["files"] if f["kind"] == "commitlog"]
+    tiered = [f for f in cl if f["state"] == "tiered"]
+    return (f"{len(tiered)} of {len(cl)} CommitLog files tiered, {sum(f['resident_bytes'] < f['size'] for f in tiered)}"
+            f" evicted, upload backlog {st['totals']['upload_backlog_files']} files")
+
+
 def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+class Meter:
+    """CPU seconds of the broker, of the tierfs daemon with its helpers and of the object store's servers over a
+    phase (the last two only for a tierfs side)."""
+
+    def __init__(self, rmq: B.RocketMQ, mount: C.TierfsMount | None, store: ObjectStore | None):
+        self.rmq, self.mount, self.store = rmq, mount, store
+        self.b0 = B.cpu_seconds(rmq.broker.pid)
+        self.d0 = C.daemon_cpu_seconds(mount.pid) if mount else 0.0
+        self.s0 = store.cpu() if mount and store else 0.0
+
+    def read(self, phase: str) -> dict[str, float]:
+        out = {f"{phase}_broker_cpu_s": B.cpu_seconds(self.rmq.broker.pid) - self.b0}
+        if self.mount:
+            out[f"{phase}_daemon_cpu_s"] = C.daemon_cpu_seconds(self.mount.pid) - self.d0
+            if self.store is not None and self.store.rgw is not None:
+                out[f"{phase}_rgw_cpu_s"] = self.store.cpu() - self.s0
+        return out
+
+
 def produce(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
-            extra: dict[str, object], mount: C.TierfsMount | None = None) -> tuple[dict, Path]:
+            extra: dict[str, object], mount: C.TierfsMount | None = None,
+            objects: ObjectStore | None = None) -> tuple[dict, Path]:
     """Start the broker on `store`, create the topic and send args.messages synchronously (64 threads)."""
     conf = rmq.broker_conf(store, **extra)
     rmq.start_broker(conf)
     rmq.client("topics", rmq.ns_addr, rmq.broker_addr, QUEUES, TOPIC)
-    cpu0 = B.cpu_seconds(rmq.broker.pid)
-    d0 = B.cpu_seconds(mount.pid) if mount else 0.0
+    meter = Meter(rmq, mount, objects)
     s0 = mount.stats() if mount else {}
     spy = C.py_spy_record(mount.pid, Path(args.py_spy) / f"{name}.speedscope.json") \
         if mount and args.py_spy else contextlib.nullcontext()
@@ -84,9 +196,8 @@ def produce(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, b
     if prod["acked"] != args.messages:
         raise SystemExit(f"{name}: only {prod['acked']} of {args.messages} sends acknowledged: {prod}")
     out = {"produce_msgs_s": args.messages / prod["secs"], "produce_MB_s": args.messages * args.body / prod["secs"]
-           / 1e6, "p99_ms": prod["p99_ms"], "produce_broker_cpu_s": B.cpu_seconds(rmq.broker.pid) - cpu0}
+           / 1e6, "p99_ms": prod["p99_ms"], **meter.read("produce")}
     if mount:
-        out["produce_daemon_cpu_s"] = B.cpu_seconds(mount.pid) - d0
         out["fuse_ops"] = {k: f"{v['count']}x{v['mean_us']:.0f}us"
                            for k, v in C.stats_delta(s0, mount.stats())["ops"].items() if v["count"] >= 100}
     return out, conf
@@ -94,10 +205,11 @@ def produce(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, b
 
 def run_config(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace, base: Path,
                extra: dict[str, object], mount: C.TierfsMount | None = None, tier_dir: Path | None = None,
-               backing: tuple[Path, ...] = ()) -> dict:
-    out, conf = produce(name, rmq, store, args, base, extra, mount)
+               backing: tuple[Path, ...] = (), objects: ObjectStore | None = None) -> dict:
+    out, conf = produce(name, rmq, store, args, base, extra, mount, objects)
     if mount:
-        C.wait_until(lambda: mostly_evicted(mount), 120, "3/4 of the CommitLog segments tiered and evicted")
+        C.wait_until(lambda: mostly_evicted(mount), 120, "3/4 of the CommitLog segments tiered and evicted",
+                     progress=lambda: tiering_progress(mount))
     if tier_dir is not None:  # the plug-in uploads in the background: wait until its CommitLog stops growing
         sizes = [-1]
 
@@ -107,18 +219,15 @@ def run_config(name: str, rmq: B.RocketMQ, store: Path, args: argparse.Namespace
         C.wait_until(settled, 120, "the tiered store plug-in holding every message")
     rmq.stop_broker(signal.SIGTERM)
     for root in (store, *backing, *((tier_dir,) if tier_dir is not None else ())):
-        drop_cache(root)  # tierfs: also its hot dir and its object store, so no side reads from memory
+        drop_cache(root)  # tierfs: also its hot dir (and a file:// object store), so no side reads from memory
     rmq.start_broker(conf)
-    cpu0 = B.cpu_seconds(rmq.broker.pid)
-    d0 = B.cpu_seconds(mount.pid) if mount else 0.0
+    meter = Meter(rmq, mount, objects)
     cons = rmq.client("consume", rmq.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body,
                       f"lagging-{name}", base / f"acked-{name}", timeout=600)
     if cons["bad"] or cons["missing"]:
         raise SystemExit(f"{name}: the lagging read got wrong or missing messages: {cons}")
     out.update(read_msgs_s=args.messages / cons["secs"], read_MB_s=cons["body_bytes"] / cons["secs"] / 1e6,
-               read_broker_cpu_s=B.cpu_seconds(rmq.broker.pid) - cpu0)
-    if mount:
-        out["read_daemon_cpu_s"] = B.cpu_seconds(mount.pid) - d0
+               **meter.read("read"))
     rmq.stop_broker(signal.SIGKILL)
     C.log(f"{name}: {out}")
     return out
@@ -132,7 +241,9 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write the figures here too")
     ap.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE[,...]",
                     help="extra tierfs mount options (e.g. tiering.rpo_seconds=0)")
-    ap.add_argument("--produce-only", action="store_true", help="only the produce phase, native/tierfs alternated")
+    ap.add_argument("--store", choices=("rgw", "file"), default="rgw",
+                    help="tierfs's object store: a throwaway Ceph RGW on 127.0.0.1 (default) or a file:// directory")
+    ap.add_argument("--produce-only", action="store_true", help="only the produce phase, native/tierfs rotated")
     ap.add_argument("--repeat", type=int, default=None,
                     help="rounds, medians and per-round ratios (default 1; 3 with --produce-only)")
     ap.add_argument("--py-spy", default="", metavar="DIR", help="sample the tierfs daemon while it produces")
@@ -148,54 +259,69 @@ def main() -> None:
         args.repeat = args.repeat or 3
         produce_only(args)
         return
+    provider, why = plugin_backend()
     rounds: list[dict[str, dict]] = []
     t0 = time.monotonic()
-    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
+    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base, \
+            object_store(args.store, 3 * args.messages * args.body) as objects:
         rmq = B.RocketMQ(VERSION, base / "home")
         try:
             rmq.start_namesrv()
             for i in range(args.repeat or 1):
-                rounds.append(full_round(rmq, base / f"round-{i}", args))
+                rounds.append(full_round(rmq, base / f"round-{i}", args, objects, provider, i))
                 shutil.rmtree(base / f"round-{i}", ignore_errors=True)
         finally:
             rmq.close()
     per_round = [round_ratios(r) for r in rounds]
     ratios = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
-    results = {k: {c: statistics.median(r[k][c] for r in rounds) for c in rounds[0][k] if c != "fuse_ops"}
-               for k in rounds[0]}
+    results = {k: {c: statistics.median(r[k][c] for r in rounds) for c in rounds[0][k] if c not in ("fuse_ops",
+                                                                                                    "position")}
+               for k in SIDES}
     cols = ["produce_msgs_s", "produce_MB_s", "p99_ms", "read_msgs_s", "read_MB_s", "produce_broker_cpu_s",
-            "read_broker_cpu_s", "produce_daemon_cpu_s", "read_daemon_cpu_s"]
+            "read_broker_cpu_s", "produce_daemon_cpu_s", "read_daemon_cpu_s", "produce_rgw_cpu_s", "read_rgw_cpu_s"]
     C.print_table(["config", *cols], [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in results.items()])
-    C.print_table(["ratio", "median", "per round", "aim"],
+    print(f"(medians over rounds; {C.DAEMON_CPU_NOTE}; rgw CPU: the RGW's processes during tierfs's phases)")
+    C.print_table(["ratio (median of per-round paired ratios)", "median", "per round", "aim"],
                   [[k, f"{v:.2f}", ", ".join(f"{r[k]:.2f}" for r in per_round), a]
                    for (k, v), a in zip(ratios.items(), (">= 0.9", "", ">= 0.7", ">= 1.0"))])
-    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {len(rounds)} round(s), "
-          f"{time.monotonic() - t0:.0f} s")
+    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {len(rounds)} round(s), order per round: "
+          + "; ".join(", ".join(rotation(SIDES, i)) for i in range(len(rounds)))
+          + f", {time.monotonic() - t0:.0f} s")
+    print(objects.describe())
+    print(why)
     if args.json:
         C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
+                                 "store": args.store, "plugin_backend": provider, "plugin_backend_why": why,
                                  "rounds": rounds, "results": results, "ratios": ratios, "per_round": per_round})
 
 
-def full_round(rmq: B.RocketMQ, base: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """One round of the full bench: native, tierfs and the plug-in, each produce then lagging read."""
+def full_round(rmq: B.RocketMQ, base: Path, args: argparse.Namespace, objects: ObjectStore, provider: str,
+               i: int) -> dict[str, dict]:
+    """One round of the full bench: native, tierfs and the plug-in, each produce then lagging read, in round i's
+    order (rotation)."""
     results: dict[str, dict] = {}
-    native = base / "native"
-    native.mkdir(parents=True)
-    results["native"] = run_config("native", rmq, native, args, base, {})
-    hot, mnt = base / "hot", base / "mnt"
-    hot.mkdir()
-    mnt.mkdir()
-    with C.TierfsMount(hot, mnt, [TIER_OPTS, f"objectstore.url=file://{base / 'objects'}", *args.options]) as mount:
-        results["tierfs"] = run_config("tierfs", rmq, mnt, args, base, {}, mount=mount,
-                                       backing=(hot, base / "objects"))
-    plug_store, tier = base / "plugin-store", base / "plugin-tier"
-    plug_store.mkdir()
-    tier.mkdir()
-    results["plugin"] = run_config("plugin", rmq, plug_store, args, base, {
-        "messageStorePlugIn": "org.apache.rocketmq.tieredstore.TieredMessageStore",
-        "tieredBackendServiceProvider": "org.apache.rocketmq.tieredstore.provider.PosixFileSegment",
-        "tieredStoreFilePath": tier, "tieredStorageLevel": "FORCE", "tieredStoreGroupCommitTimeout": 1000,
-        "tieredStoreGroupCommitCount": 1000, "commitLogRollingInterval": 1}, tier_dir=tier)
+    for pos, side in enumerate(rotation(SIDES, i)):
+        if side == "native":
+            native = base / "native"
+            native.mkdir(parents=True)
+            results["native"] = run_config("native", rmq, native, args, base, {})
+        elif side == "tierfs":
+            hot, mnt, name = base / "hot", base / "mnt", f"round-{i}"
+            opts = [TIER_OPTS, objects.options(base, name), *args.options]
+            with C.TierfsMount(hot, mnt, opts) as mount:
+                results["tierfs"] = run_config("tierfs", rmq, mnt, args, base, {}, mount=mount,
+                                               backing=(hot, *objects.backing(base)), objects=objects)
+            objects.forget(name)
+        else:
+            plug_store, tier = base / "plugin-store", base / "plugin-tier"
+            plug_store.mkdir(parents=True)
+            tier.mkdir()
+            results["plugin"] = run_config("plugin", rmq, plug_store, args, base, {
+                "messageStorePlugIn": "org.apache.rocketmq.tieredstore.TieredMessageStore",
+                "tieredBackendServiceProvider": provider,
+                "tieredStoreFilePath": tier, "tieredStorageLevel": "FORCE", "tieredStoreGroupCommitTimeout": 1000,
+                "tieredStoreGroupCommitCount": 1000, "commitLogRollingInterval": 1}, tier_dir=tier)
+        results[side]["position"] = pos
     return results
 
 
@@ -208,7 +334,8 @@ def round_ratios(results: dict[str, dict]) -> dict[str, float]:
 
 
 def produce_only(args: argparse.Namespace) -> None:
-    """Produce phases only, alternated native / each tierfs variant, medians of each."""
+    """Produce phases only, native and each tierfs variant rotated per round; medians of each, and per variant the
+    median of its per-round ratios to native."""
     variants: dict[str, tuple[list[str], str | None]] = {"tierfs": ([], None),
                                                          "tierfs-rpo0": (["tiering.rpo_seconds=0"], None)}
     for v in args.variant:
@@ -219,12 +346,13 @@ def produce_only(args: argparse.Namespace) -> None:
         variants.pop(name, None)
     runs: dict[str, list[dict]] = {"native": [], **{k: [] for k in variants}}
     t0 = time.monotonic()
-    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base:
+    with C.temp_base(args.tmp, "tierfs-bench-broker-") as base, \
+            object_store(args.store, 2 * len(variants) * args.messages * args.body) as objects:
         rmq = B.RocketMQ(VERSION, base / "home")
         try:
             rmq.start_namesrv()
             for i in range(args.repeat):
-                for name in runs:
+                for name in rotation(list(runs), i):
                     run = base / f"{name}-{i}"
                     store = run / "store"
                     store.mkdir(parents=True)
@@ -233,33 +361,36 @@ def produce_only(args: argparse.Namespace) -> None:
                         rmq.stop_broker(signal.SIGKILL)
                     else:
                         extra, src = variants[name]
-                        opts = [TIER_OPTS, f"objectstore.url=file://{run / 'objects'}", *args.options, *extra]
+                        opts = [TIER_OPTS, objects.options(run, f"{name}-{i}"), *args.options, *extra]
                         with C.TierfsMount(run / "hot", run / "mnt", opts, tierfs_src=src) as mount:
-                            out, _ = produce(f"{name}-{i}", rmq, run / "mnt", args, base, {}, mount=mount)
+                            out, _ = produce(f"{name}-{i}", rmq, run / "mnt", args, base, {}, mount=mount,
+                                             objects=objects)
                             rmq.stop_broker(signal.SIGKILL)
                             out["status"] = {k: v for k, v in mount.status().items() if k != "files"}
                             if args.py_spy:  # the daemon's log beside its profile
                                 shutil.copy(run / "hot" / ".tierfs" / "tierfs.log",
                                             Path(args.py_spy) / f"{name}-{i}.log")
+                        objects.forget(f"{name}-{i}")
                     C.log(f"{name} #{i}: { {k: v for k, v in out.items() if k != 'status'} }")
                     runs[name].append(out)
                     shutil.rmtree(run, ignore_errors=True)
         finally:
             rmq.close()
-    cols = ("produce_msgs_s", "p99_ms", "produce_broker_cpu_s", "produce_daemon_cpu_s")
+        store_desc = objects.describe()
+    cols = ("produce_msgs_s", "p99_ms", "produce_broker_cpu_s", "produce_daemon_cpu_s", "produce_rgw_cpu_s")
     med = {k: {c: statistics.median(r[c] for r in v) for c in cols if c in v[0]} for k, v in runs.items()}
-    C.print_table(["config", "msgs/s", "p99 ms", "broker cpu s", "daemon cpu s"],
+    C.print_table(["config", "msgs/s", "p99 ms", "broker cpu s", "daemon cpu s", "rgw cpu s"],
                   [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in med.items()])
-    n = med["native"]["produce_msgs_s"]
+    print(f"(medians over rounds; {C.DAEMON_CPU_NOTE})")
     for k in variants:
-        print(f"produce {k}/native: {med[k]['produce_msgs_s'] / n:.2f} (per round: "
-              + ", ".join(f"{a['produce_msgs_s'] / b['produce_msgs_s']:.2f}" for a, b in zip(runs[k], runs["native"]))
-              + f"); FUSE requests of the last run: {runs[k][-1]['fuse_ops']}")
-    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {args.repeat} rounds, "
-          f"{time.monotonic() - t0:.0f} s")
+        per = [a["produce_msgs_s"] / b["produce_msgs_s"] for a, b in zip(runs[k], runs["native"])]
+        print(f"produce {k}/native: {statistics.median(per):.2f} (median of per-round ratios: "
+              + ", ".join(f"{r:.2f}" for r in per) + f"); FUSE requests of the last run: {runs[k][-1]['fuse_ops']}")
+    print(f"{args.messages} messages of {args.body} B, broker {VERSION}, {args.repeat} rounds, order rotated per "
+          f"round, {time.monotonic() - t0:.0f} s; {store_desc}")
     if args.json:
-        C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION, "runs": runs,
-                                 "medians": med})
+        C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
+                                 "store": args.store, "runs": runs, "medians": med})
 
 
 if __name__ == "__main__":

@@ -630,7 +630,7 @@ def lat_summary(rounds: list[dict], gets_key: str = "gets") -> dict:
 def seq_read(mnt: C.TierfsMount, rel: str, crcs: list[int], size: int) -> dict:
     """One timed sequential read (1 MiB reads) of an evicted file through the mount, every MiB checked."""
     path = mnt.mnt / rel
-    e0, cpu0 = engine(mnt), C.proc_cpu_seconds(mnt.pid)
+    e0, cpu0 = engine(mnt), C.daemon_cpu_seconds(mnt.pid)
     buf = bytearray(PIECE)
     mv = memoryview(buf)
     got, crc, bad = 0, 0, []
@@ -655,19 +655,11 @@ def seq_read(mnt: C.TierfsMount, rel: str, crcs: list[int], size: int) -> dict:
         raise RuntimeError(f"{path}: read {got} of {size} bytes, wrong bytes at {bad[:5]}")
     d = delta(e0, engine(mnt, settle=True))
     return {"MBps": size / dt_s / 1e6, "seconds": dt_s, "gets": d["fetches"], "get_MiB": d["fetch_bytes"] / MiB,
-            "daemon_cpu_s": C.proc_cpu_seconds(mnt.pid) - cpu0, "reads_waited": d["reads_waited"],
+            "daemon_cpu_s": C.daemon_cpu_seconds(mnt.pid) - cpu0, "reads_waited": d["reads_waited"],
             "reads_local": d["reads_local"]}
 
 
 # ---------------------------------------------------------------------------------------- 1, 2, 5: the job
-
-
-def _stat_fields(pid: str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def _cmdline(pid: str) -> str:
@@ -750,7 +742,7 @@ class JobWatcher(threading.Thread):
                     break
         if self.sid is not None:
             for p in pids:
-                f = _stat_fields(p)
+                f = C.stat_fields(p)
                 if f and int(f[3]) == self.sid:
                     # spark-submit starts as a shell script and execs java: look again until the role is known
                     role = self.cpu[p][0] if p in self.cpu and self.cpu[p][0] != "other" else self._role(p)
@@ -818,7 +810,8 @@ def run_compact(mnt: C.TierfsMount, timeout: float, py_spy_out: Path | None, py_
     server0 = {name: C.proc_cpu_seconds(pid) for name, pid in server_pids.items()}
     w.start()
     t0 = time.perf_counter()
-    dcpu0 = C.proc_cpu_seconds(mnt.pid)
+    # the daemon and its live helpers, not the job it starts in its own session (counted apart, by the watcher)
+    dcpu0 = C.tree_cpu(mnt.pid, same_session=True).total
     proc = subprocess.Popen([C.PY, "-m", "tierfs", "compact", str(mnt.mnt), "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True)
     try:
@@ -844,7 +837,7 @@ def run_compact(mnt: C.TierfsMount, timeout: float, py_spy_out: Path | None, py_
     stages = list(result.get("stages", {}))
     return {"summary": summary, "result": result, "progress": progress, "wall_s": wall, "job_dir": str(job_dir),
             "stage_cpu_s": w.stage_cpu(stages), "job_cpu_s": w.cpu_by_role(),
-            "daemon_cpu_s": C.proc_cpu_seconds(mnt.pid) - dcpu0, "watcher_error": w.error,
+            "daemon_cpu_s": C.tree_cpu(mnt.pid, same_session=True).total - dcpu0, "watcher_error": w.error,
             "processes_seen": len(w.cpu),
             "server_cpu_s": {n: round(C.proc_cpu_seconds(p) - server0[n], 1) for n, p in server_pids.items()}}
 
@@ -895,9 +888,7 @@ def backend_opts(args: argparse.Namespace, stack: contextlib.ExitStack, base: Pa
         return f"objectstore.url=file://{base / 'objects'}", {}
     rgw = stack.enter_context(C.ceph_rgw(memstore_bytes=args.memstore, keep=args.keep))
     bucket = rgw.make_bucket(args.bucket)
-    return (f"objectstore.url=s3://{bucket}/tierfs,objectstore.endpoint_url={rgw.endpoint_url},"
-            f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-            f"objectstore.addressing=path"), {"rgw_pids": rgw.pids()}
+    return C.rgw_store_options(rgw, bucket, "tierfs"), {"rgw_pids": rgw.pids()}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -1192,6 +1183,7 @@ def print_report(res: dict, summ: dict, args: argparse.Namespace) -> None:
     C.print_table(["body", "raw MB/s", "lz4c MB/s", "lz4c/raw", "range", "raw GETs / MiB", "lz4c GETs / MiB",
                    "daemon CPU s raw/lz4c"], rows)
     print("   (MiB: bytes transferred from the object store; for lz4c the compressed blocks)")
+    print(f"   ({C.DAEMON_CPU_NOTE})")
     a = summ["archive"]
     print()
     print("5. archive stage (CommitLog -> Parquet), rows per second")
@@ -1223,7 +1215,7 @@ def print_report(res: dict, summ: dict, args: argparse.Namespace) -> None:
     print(f"  job CPU seconds by role (sampled from /proc, {job['processes_seen']} processes): total "
           f"{json.dumps({k: round(v, 1) for k, v in job['job_cpu_s'].items()})}; by stage "
           f"{json.dumps(job['stage_cpu_s'])}; "
-          f"daemon CPU during the job {job['daemon_cpu_s']:.1f} s; object store servers {json.dumps(job['server_cpu_s'])}"
+          f"daemon CPU during the job (with its live helpers, the job apart) {job['daemon_cpu_s']:.1f} s; object store servers {json.dumps(job['server_cpu_s'])}"
           + (f"; watcher error {job['watcher_error']}" if job["watcher_error"] else ""))
     print("  per-item task seconds: "
           + ", ".join(f"{p['stage'][:3]}:{p['path'].rsplit('/', 1)[-1][-8:]}={p.get('seconds')}"

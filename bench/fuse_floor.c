@@ -11,8 +11,19 @@
  *             whether a binding with a spliced reply would save anything.
  * Inodes are O_PATH fds counted by lookups and dropped at FORGET (unlinked files give their space back).
  *
+ * Two options give it what tierfs does beside passing requests through, so a ratio to it measures only Python:
+ *   --write-prime KB  tierfs's write primer (tierfs/tier/primer.py, the FUSE front's _page_read_by_writer): the
+ *             second small READ in a row on a writable handle, < 1 s after the first, at the offset where the
+ *             last one ended, makes a helper process posix_fadvise(WILLNEED) the next KB KiB of the file through
+ *             the mount, so a writer filling a preallocated file page by page (a ConsumeQueue) finds its next
+ *             pages uptodate instead of waiting for a READ per 4 KiB. Same trigger, window, process, best effort:
+ *             requests go over a non-blocking pipe and a full pipe drops one (tierfs: a queue of 256).
+ *   --hole-reads  READs of 64 KiB or more answer the part that is a hole in the source (SEEK_DATA) with zeros,
+ *             without reading the source (tierfs.fs.localread): what the primer's and mmap faults' READs cost.
+ *
  *   cc -O2 -o fuse_floor fuse_floor.c $(pkg-config --cflags --libs fuse3)
- *   fuse_floor [--splice] [--no-writeback] [--timeout S] [--threads N] SOURCE MOUNTPOINT
+ *   fuse_floor [--splice] [--no-writeback] [--timeout S] [--threads N] [--write-prime KB] [--hole-reads]
+ *              SOURCE MOUNTPOINT
  */
 #define _GNU_SOURCE
 #define FUSE_USE_VERSION 312
@@ -28,8 +39,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 struct inode {
@@ -37,13 +53,32 @@ struct inode {
 	dev_t dev;
 	ino_t ino;
 	uint64_t nlookup;
+	char *path; /* relative to SOURCE, by the last lookup or rename (only with --write-prime) */
 	struct inode *prev, *next;
 };
 
-static struct inode root = { .fd = -1, .prev = &root, .next = &root };
+static struct inode root = { .fd = -1, .path = "", .prev = &root, .next = &root };
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static double timeout = 1.0;
-static int use_splice, writeback = 1;
+static int use_splice, writeback = 1, hole_reads;
+
+#define LARGE_READ (64 << 10)   /* tierfs.fs.localread.LARGE: smaller READs are one plain pread */
+#define PRIME_GAP_SECONDS 1.0   /* tierfs.fs.operations.PRIME_GAP_SECONDS */
+
+/* The write primer (--write-prime): per writable handle (indexed by its fd) where the next small READ of a
+ * sequential writer is due and when the last one came; the pipe to the helper process. */
+struct prime_state {
+	int on;
+	off_t expect;
+	double last;
+};
+static size_t prime_window;
+static struct prime_state *prime_of;
+static size_t prime_len;
+static pthread_mutex_t prime_lock = PTHREAD_MUTEX_INITIALIZER;
+static int prime_pipe = -1;
+static pid_t primer_pid = -1;
+static unsigned long prime_requests, prime_dropped;
 
 static struct inode *inode_of(fuse_ino_t ino)
 {
@@ -53,6 +88,24 @@ static struct inode *inode_of(fuse_ino_t ino)
 static void proc_path(char *buf, int fd)
 {
 	snprintf(buf, 64, "/proc/self/fd/%d", fd);
+}
+
+/* With table_lock held: i's path is now parent/name (best effort: without memory it keeps the old one). */
+static void set_path(struct inode *i, struct inode *parent, const char *name)
+{
+	if (!parent->path)
+		return;
+	size_t n = strlen(parent->path) + strlen(name) + 2;
+	char *p = malloc(n);
+	if (!p)
+		return;
+	snprintf(p, n, "%s%s%s", parent->path, *parent->path ? "/" : "", name);
+	if (i->path && strcmp(i->path, p) == 0) {
+		free(p);
+		return;
+	}
+	free(i->path);
+	i->path = p;
 }
 
 /* Find or add the inode of parent/name; counts one lookup. Returns 0 or an errno. */
@@ -91,6 +144,8 @@ static int do_lookup(fuse_ino_t parent, const char *name, struct fuse_entry_para
 		root.prev = i;
 	}
 	i->nlookup++;
+	if (prime_window)
+		set_path(i, inode_of(parent), name);
 	pthread_mutex_unlock(&table_lock);
 	e->ino = (uintptr_t)i;
 	return 0;
@@ -107,6 +162,7 @@ static void forget_one(fuse_ino_t ino, uint64_t n)
 		i->prev->next = i->next;
 		i->next->prev = i->prev;
 		close(i->fd);
+		free(i->path);
 		free(i);
 	}
 	pthread_mutex_unlock(&table_lock);
@@ -233,6 +289,17 @@ static void ff_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
 		      const char *newname, unsigned int flags)
 {
 	int rc = renameat2(inode_of(parent)->fd, name, inode_of(newparent)->fd, newname, flags);
+	struct stat st;
+	if (rc == 0 && prime_window &&
+	    fstatat(inode_of(newparent)->fd, newname, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+		pthread_mutex_lock(&table_lock);
+		for (struct inode *i = root.next; i != &root; i = i->next)
+			if (i->ino == st.st_ino && i->dev == st.st_dev) {
+				set_path(i, inode_of(newparent), newname);
+				break;
+			}
+		pthread_mutex_unlock(&table_lock);
+	}
 	fuse_reply_err(req, rc < 0 ? errno : 0);
 }
 
@@ -245,6 +312,16 @@ static int backing_flags(int flags)
 		flags &= ~O_APPEND;
 	}
 	return flags & ~O_NOFOLLOW;
+}
+
+/* A handle opened (or, with O_RDONLY, released): a writable one is watched for a writer's page reads. */
+static void prime_opened(int fd, int flags)
+{
+	if (!prime_window || fd < 0 || (size_t)fd >= prime_len)
+		return;
+	pthread_mutex_lock(&prime_lock);
+	prime_of[fd] = (struct prime_state){ .on = (flags & O_ACCMODE) != O_RDONLY, .expect = -1, .last = 0.0 };
+	pthread_mutex_unlock(&prime_lock);
 }
 
 static void ff_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, struct fuse_file_info *fi)
@@ -263,6 +340,7 @@ static void ff_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
 	}
 	fi->fh = fd;
 	fi->keep_cache = 1;
+	prime_opened(fd, fi->flags);
 	if (fuse_reply_create(req, &e, fi) != 0) {
 		close(fd);
 		forget_one(e.ino, 1);
@@ -280,6 +358,7 @@ static void ff_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 	}
 	fi->fh = fd;
 	fi->keep_cache = 1;
+	prime_opened(fd, fi->flags);
 	if (fuse_reply_open(req, fi) != 0)
 		close(fd);
 }
@@ -302,27 +381,172 @@ static ssize_t io_full(int write, int fd, char *buf, size_t size, off_t off)
 	return done;
 }
 
+/* How many bytes from `off` (at most `size`) are a hole of fd (SEEK_DATA finds no data there); 0 if unknown. */
+static size_t hole_prefix(int fd, off_t off, size_t size)
+{
+	off_t data = lseek(fd, off, SEEK_DATA), hole;
+	if (data < 0) {
+		struct stat st;
+		if (errno != ENXIO || fstat(fd, &st) < 0)
+			return 0;
+		hole = st.st_size - off; /* no data at or after off: a hole to the end */
+	} else {
+		hole = data - off;
+	}
+	return hole <= 0 ? 0 : (size_t)hole < size ? (size_t)hole : size;
+}
+
+/* Ask the primer process for `prime_window` bytes of `path` from `off`; a full pipe drops the request. */
+static void prime_want(const char *path, off_t off)
+{
+	char rec[PIPE_BUF];
+	int n = snprintf(rec, sizeof(rec), "%s\t%lld\t%zu", path, (long long)off, prime_window);
+	if (n < 0 || (size_t)n + 1 > sizeof(rec))
+		return;
+	if (write(prime_pipe, rec, n + 1) == n + 1)
+		__atomic_add_fetch(&prime_requests, 1, __ATOMIC_RELAXED);
+	else
+		__atomic_add_fetch(&prime_dropped, 1, __ATOMIC_RELAXED);
+}
+
+/* A small READ on a handle: on a writable one, the kernel filling a page before a partial write into it. The
+ * second one in a row, less than PRIME_GAP_SECONDS after the first, primes the next window; the one after that
+ * window primes again (tierfs.fs.operations._page_read_by_writer, line for line). */
+static void page_read_by_writer(fuse_ino_t ino, int fh, off_t off, size_t size)
+{
+	if (!prime_window || fh < 0 || (size_t)fh >= prime_len)
+		return;
+	char *path = NULL;
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	double now = ts.tv_sec + ts.tv_nsec / 1e9;
+	off_t end = off + size, at = end;
+	pthread_mutex_lock(&prime_lock);
+	struct prime_state *p = &prime_of[fh];
+	if (!p->on) {
+		pthread_mutex_unlock(&prime_lock);
+		return;
+	}
+	if (off == p->expect && size && now - p->last < PRIME_GAP_SECONDS) {
+		pthread_mutex_lock(&table_lock);
+		struct inode *i = inode_of(ino);
+		path = i->path && *i->path ? strdup(i->path) : NULL;
+		pthread_mutex_unlock(&table_lock);
+		if (path)
+			end += prime_window;
+	}
+	p->expect = end;
+	p->last = now;
+	pthread_mutex_unlock(&prime_lock);
+	if (path) {
+		prime_want(path, at);
+		free(path);
+	}
+}
+
+/* The primer process: `path<TAB>offset<TAB>length<NUL>` records from `in` until it closes; each one opens the
+ * path through the mount, advises WILLNEED and closes it again (tierfs.tier.primer.main). Forked before the
+ * session exists, so it never holds the /dev/fuse fd: a killed floor still aborts its connection. */
+static void primer_main(int in, const char *mountpoint)
+{
+	static char buf[1 << 16];
+	size_t have = 0;
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	for (;;) {
+		ssize_t n = read(in, buf + have, sizeof(buf) - have);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			_exit(0);
+		have += n;
+		char *rec = buf, *nul;
+		while ((nul = memchr(rec, 0, buf + have - rec))) {
+			char *t2 = strrchr(rec, '\t'), *t1;
+			if (t2) {
+				*t2 = 0;
+				t1 = strrchr(rec, '\t');
+				if (t1) {
+					*t1 = 0;
+					char path[PATH_MAX];
+					int len = snprintf(path, sizeof(path), "%s/%s", mountpoint, rec);
+					int fd = len > 0 && (size_t)len < sizeof(path)
+							 ? open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK) : -1;
+					if (fd >= 0) {
+						posix_fadvise(fd, atoll(t1 + 1), atoll(t2 + 1), POSIX_FADV_WILLNEED);
+						close(fd);
+					}
+				}
+			}
+			rec = nul + 1;
+		}
+		have = buf + have - rec;
+		memmove(buf, rec, have);
+		if (have == sizeof(buf))
+			have = 0; /* a record longer than the buffer: drop it */
+	}
+}
+
+/* Start the primer process and the handle table (--write-prime). Returns 0 or -1. */
+static int primer_start(const char *mountpoint)
+{
+	static char mp[PATH_MAX];
+	if (!realpath(mountpoint, mp))
+		return -1;
+	struct rlimit rl;
+	prime_len = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < (1 << 22)
+			    ? rl.rlim_cur : (1 << 16);
+	prime_of = calloc(prime_len, sizeof(*prime_of));
+	int fds[2];
+	if (!prime_of || pipe2(fds, O_CLOEXEC) < 0)
+		return -1;
+	primer_pid = fork();
+	if (primer_pid < 0)
+		return -1;
+	if (primer_pid == 0) {
+		close(fds[1]);
+		close(root.fd);
+		primer_main(fds[0], mp);
+	}
+	close(fds[0]);
+	prime_pipe = fds[1];
+	return fcntl(prime_pipe, F_SETFL, O_NONBLOCK);
+}
+
+static void primer_stop(void)
+{
+	if (primer_pid <= 0)
+		return;
+	close(prime_pipe); /* end of input: it exits, and is reaped so its CPU shows in ours (cutime) */
+	waitpid(primer_pid, NULL, 0);
+	fprintf(stderr, "fuse_floor: write primer: %lu requests, %lu dropped\n", prime_requests, prime_dropped);
+}
+
 static void ff_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
-	(void)ino;
 	if (use_splice) {
 		struct fuse_bufvec v = FUSE_BUFVEC_INIT(size);
 		v.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
 		v.buf[0].fd = fi->fh;
 		v.buf[0].pos = off;
 		fuse_reply_data(req, &v, FUSE_BUF_SPLICE_MOVE);
+		if (size < LARGE_READ) /* a page READ inside a preallocated file: all of it is there */
+			page_read_by_writer(ino, fi->fh, off, size);
 		return;
 	}
-	char *buf = malloc(size ? size : 1);
+	size_t hole = hole_reads && size >= LARGE_READ ? hole_prefix(fi->fh, off, size) : 0;
+	char *buf = hole ? calloc(1, size) : malloc(size ? size : 1);
 	if (!buf) {
 		fuse_reply_err(req, ENOMEM);
 		return;
 	}
-	ssize_t got = io_full(0, fi->fh, buf, size, off);
-	if (got < 0)
+	ssize_t got = hole == size ? 0 : io_full(0, fi->fh, buf + hole, size - hole, off + hole);
+	if (got < 0) {
 		fuse_reply_err(req, -got);
-	else
-		fuse_reply_buf(req, buf, got);
+	} else {
+		fuse_reply_buf(req, buf, got + hole);
+		if (size < LARGE_READ)
+			page_read_by_writer(ino, fi->fh, off, got);
+	}
 	free(buf);
 }
 
@@ -346,6 +570,7 @@ static void ff_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 static void ff_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
 	(void)ino;
+	prime_opened(fi->fh, O_RDONLY);
 	close(fi->fh);
 	fuse_reply_err(req, 0);
 }
@@ -470,7 +695,8 @@ static const struct fuse_lowlevel_ops ops = {
 
 static int usage(void)
 {
-	fprintf(stderr, "usage: fuse_floor [--splice] [--no-writeback] [--timeout S] [--threads N] SOURCE MOUNTPOINT\n");
+	fprintf(stderr, "usage: fuse_floor [--splice] [--no-writeback] [--timeout S] [--threads N] [--write-prime KB] "
+			"[--hole-reads] SOURCE MOUNTPOINT\n");
 	return 2;
 }
 
@@ -486,6 +712,10 @@ int main(int argc, char **argv)
 			timeout = atof(argv[++k]);
 		else if (!strcmp(argv[k], "--threads") && k + 1 < argc)
 			threads = atoi(argv[++k]);
+		else if (!strcmp(argv[k], "--write-prime") && k + 1 < argc)
+			prime_window = (size_t)atoll(argv[++k]) << 10;
+		else if (!strcmp(argv[k], "--hole-reads"))
+			hole_reads = 1;
 		else
 			return usage();
 	}
@@ -498,6 +728,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	root.nlookup = 2;
+	if (prime_window && primer_start(mountpoint) != 0) {
+		perror("write primer");
+		return 1;
+	}
 
 	char fsname[PATH_MAX + 16];
 	snprintf(fsname, sizeof(fsname), "-ofsname=%s,subtype=floor,default_permissions", source);
@@ -518,5 +752,6 @@ int main(int argc, char **argv)
 	fuse_session_unmount(se);
 	fuse_remove_signal_handlers(se);
 	fuse_session_destroy(se);
+	primer_stop();
 	return rc ? 1 : 0;
 }

@@ -41,6 +41,13 @@ read-ahead and max_background read back from the tierfs mount). Its figure over 
 costs on this machine; tierfs's over it is what tierfs's Python request loop and engine add. `splice` replies to
 READs by splicing from the file instead of copying from a buffer, as pyfuse3 does: it measures whether a binding
 with a spliced reply would save anything (here it did not: more CPU per GB than the copy, the same MB/s).
+The floor also does what tierfs does beside passing requests through: its write primer (the same trigger, window
+mount.write_prime_kb and helper process; workload b's writer otherwise waits for a READ per 4 KiB page) and the
+answer of large READs from holes without the disk (workload a's mmap faults, the primer's READs), so "this tree /
+C floor" is what tierfs's Python adds. --floor-primer off mounts a bare passthrough instead.
+
+"daemon CPU" is always the daemon's with its helper processes' (tierfs's flusher and write primer, the floor's
+primer), live or already reaped.
 """
 
 from __future__ import annotations
@@ -298,7 +305,7 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.FuseMou
         timeout = args.seconds * 6 + 300
         C.syncfs(native)  # start each run with no dirty data from the previous one (flush only, no drop)
         before = mnt.stats() if side == "mount" else None
-        cpu0, dcpu0 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+        cpu0, dcpu0 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
         if side == "mount" and (prof_dir is not None or args.perf):
             with contextlib.ExitStack() as stack:
                 if prof_dir is not None:
@@ -309,22 +316,25 @@ def run_pair(wl: str, args: argparse.Namespace, env: dict | None, mnt: C.FuseMou
                     pdata.parent.mkdir(parents=True, exist_ok=True)
                     stack.enter_context(C.perf_record(mnt.pid, pdata))
                 res = C.run_child(argv, timeout, env)
-                cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+                cpu1, dcpu1 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
             if prof_dir is not None:
                 res["profile"] = str(prof)
             if args.perf:
                 res["perf_data"] = str(pdata)
         else:
             res = C.run_child(argv, timeout, env)
-            cpu1, dcpu1 = C.children_cpu_seconds(), C.proc_cpu_seconds(mnt.pid) if mnt.pid else float("nan")
+            cpu1, dcpu1 = C.children_cpu_seconds(), C.tree_cpu(mnt.pid)
         res["client_cpu_s"] = round(cpu1 - cpu0, 3)
         work = _work_of(wl, res)
         if side == "mount":
             res["fuse"] = C.stats_delta(before, mnt.stats())
-            res["daemon_cpu_s"] = round(dcpu1 - dcpu0, 3)
+            # the daemon's CPU with its helper processes' (flusher, write primer), see C.tree_cpu
+            dcpu = dcpu1.total - dcpu0.total
+            res["daemon_cpu_s"] = round(dcpu, 3)
+            res["helpers_cpu_s"] = round(dcpu1.helpers - dcpu0.helpers, 3)
             # CPU the daemon spent per unit of work: ms per GB (a, c) or us per operation (b, d)
             if work:
-                res["daemon_cpu_per_work"] = round((dcpu1 - dcpu0) * (1e12 / work if wl in "ac" else 1e6 / work), 2)
+                res["daemon_cpu_per_work"] = round(dcpu * (1e12 / work if wl in "ac" else 1e6 / work), 2)
                 res["daemon_cpu_unit"] = "ms/GB" if wl in "ac" else "us/op"
         if wl in ("a", "b"):
             t = time.perf_counter()
@@ -387,6 +397,7 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
                           rng(r), r["target"], verdict, dcpu(r)])
     C.print_table(["workload", "unit", "native", "mount", "mount/native", "range", "target", "", "daemon CPU"],
                   table)
+    print(f"({C.DAEMON_CPU_NOTE})")
     print()
     print("FUSE requests during the mount runs (count, mean daemon-side latency, bytes per READ/WRITE):")
     for wl, reps in results.items():
@@ -403,7 +414,7 @@ def print_report(rows: list[dict], results: dict, options: list[str], tuning: di
         last = reps[-1]
         keys = detail[wl] + ("client_cpu_s",)
         n = {k: rounded(last["native"].get(k)) for k in keys}
-        m = {k: rounded(last["mount"].get(k)) for k in keys + ("daemon_cpu_s",)}
+        m = {k: rounded(last["mount"].get(k)) for k in keys + ("daemon_cpu_s", "helpers_cpu_s")}
         print(f"  {wl}: {json.dumps(n, default=str)} | {json.dumps(m, default=str)}")
     sys.stdout.flush()
 
@@ -427,9 +438,22 @@ def print_ab(results: dict, results_b: dict, label: str) -> None:
                           C.median(a["mount"].get("daemon_cpu_per_work", float("nan")) for a in reps)])
     C.print_table(["workload", "unit", "other", "other/native", "this tree", "this/other", "range", "other CPU/work",
                    "this CPU/work"], table)
+    print(f"(CPU/work: {C.DAEMON_CPU_NOTE})")
     for wl, reps in results_b.items():
         if reps[-1]["mount"]["fuse"]["ops"]:  # a tierfs daemon's stats (the C floor keeps none)
             print(f"  {wl} {label} FUSE: {C.format_stats_delta(reps[-1]['mount']['fuse'])}")
+
+
+def floor_like_tierfs(cfg: dict, primer: bool) -> dict:
+    """The C floor's options that do what the tierfs mount does beside passing requests through: its write primer
+    with the same window, and the hole answer of large READs that serves the primer's (and mmap faults') READs."""
+    kb = int(cfg.get("mount.write_prime_kb", 0)) if primer else 0
+    return {"write_prime_kb": kb, "hole_reads": primer}
+
+
+def floor_label(args: argparse.Namespace, opts: dict) -> str:
+    return (f"C floor ({args.floor}, " + (f"write primer {opts['write_prime_kb']} KiB + hole reads, as tierfs)"
+                                         if opts.get("hole_reads") else "no write primer: b is not comparable)"))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -457,6 +481,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--floor", nargs="?", const="copy", choices=("copy", "splice"),
                     help="also mount bench/fuse_floor.c (a C passthrough; `splice`: READ replies spliced from the "
                          "file) and run every workload on it in the same run")
+    ap.add_argument("--floor-primer", choices=("on", "off"), default="on",
+                    help="the floor with tierfs's write primer (mount.write_prime_kb, same trigger) and hole answer "
+                         "of large READs (default on, so tierfs/floor is what Python adds); off: a bare passthrough")
     ap.add_argument("--segment-size", type=int, default=GiB)
     ap.add_argument("--record-size", type=int, default=1024)
     ap.add_argument("--flush-interval", type=float, default=0.5)
@@ -474,6 +501,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--child", nargs=2, metavar=("WL", "PARAMS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.only = [w.strip() for w in args.only.split(",") if w.strip()]
+    args.floor_primer = args.floor_primer == "on"
     if args.floor and args.ab_src:
         ap.error("--floor and --ab-src each add a second mount; choose one")
     bad = [w for w in args.only if w not in WORKLOADS]
@@ -524,9 +552,11 @@ def main(argv: list[str] | None = None) -> int:
             files["mount"] = mntp / "data" / "readfile"
         files_b: dict[str, Path] = {}
         results_b: dict[str, list[dict]] = {}
+        primed: dict[str, object] = {}
         with contextlib.ExitStack() as ab_stack, \
                 C.TierfsMount(hot, mntp, args.options, tierfs_src=args.tierfs_src) as mnt:
             mnt_b = None
+            floor_opts = floor_like_tierfs(mnt.config(), args.floor_primer) if args.floor else {}
             if args.ab_src or args.floor:  # a second mount serving the same data file from its own backing dir
                 back_b, mnt_bp = base / "back-b", base / "mnt-b"
                 if files:
@@ -538,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                     C.TierfsMount(back_b, mnt_bp, args.options, tierfs_src=args.ab_src) if args.ab_src else
                     C.FloorMount(back_b, mnt_bp, base / "floor-build", tuning=mnt.wait_tuned(),
                                  splice=args.floor == "splice",
-                                 attr_timeout=float(mnt.config().get("mount.attr_timeout", 1.0))))
+                                 attr_timeout=float(mnt.config().get("mount.attr_timeout", 1.0)),
+                                 **floor_opts))
                 if args.bdi:
                     C.set_bdi(mnt_b, args.bdi)
                 C.log(f"second mount at {mnt_bp} (pid {mnt_b.pid}; {mnt_b.kernel_tuning()})")
@@ -556,10 +587,18 @@ def main(argv: list[str] | None = None) -> int:
                     for m, fs, prof, out in (sides if rep % 2 == 0 else sides[::-1]):
                         out.append(run_pair(wl, args, env, m, native, fs, prof, rep))
             tuning = mnt.kernel_tuning()
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                primed = {"tierfs": mnt.status()["write_prime"]}
+        if args.floor:  # the floor logs its primer's counts when it exits
+            with contextlib.suppress(OSError):
+                primed["C floor"] = next((ln.split(": ", 1)[-1] for ln in (base / "floor-build" / "fuse_floor.log")
+                                          .read_text().splitlines() if "write primer:" in ln), "off")
     rows = [summarize(wl, reps) for wl, reps in results.items()]
     print_report(rows, results, args.options, tuning, args.seconds, args.bdi)
     if results_b:
-        print_ab(results, results_b, args.ab_src or f"C floor ({args.floor})")
+        print_ab(results, results_b, args.ab_src or floor_label(args, floor_opts))
+    if primed:
+        print(f"write primer over the whole run: {'; '.join(f'{k}: {v}' for k, v in primed.items())}")
     if prof_dir:
         print("\ndaemon profiles (py-spy, share of samples):")
         for wl, reps in results.items():

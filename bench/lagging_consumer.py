@@ -120,11 +120,11 @@ def measure(m: C.TierfsMount, ref: Path, args: argparse.Namespace) -> dict:
     for p in (m.mnt / "consumequeue").rglob("*"):
         if p.is_file():
             C.evict(p)
-    e0, cpu0 = dict(m.status()["totals"]["engine"]), C.proc_cpu_seconds(m.pid)
+    e0, cpu0 = dict(m.status()["totals"]["engine"]), C.daemon_cpu_seconds(m.pid)
     res = consume(m.mnt, ref, f"{args.topic_prefix}0", args.commitlog_size)
     e1 = m.status()["totals"]["engine"]
     d = {k: e1[k] - e0.get(k, 0) for k in e1 if isinstance(e1[k], int)}
-    res.update(tiered_files=tiered, daemon_cpu_s=round(C.proc_cpu_seconds(m.pid) - cpu0, 2),
+    res.update(tiered_files=tiered, daemon_cpu_s=round(C.daemon_cpu_seconds(m.pid) - cpu0, 2),
                fetch_bytes=d.get("fetch_bytes", 0), fetches=d.get("fetches", 0),
                named_prefetch_bytes=d.get("named_prefetch_bytes", 0), reads_waited=d.get("reads_waited", 0),
                reads_local=d.get("reads_local", 0))
@@ -161,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.s3:
             rgw = stack.enter_context(C.ceph_rgw(memstore_bytes=2 << 30, keep=args.keep))
             bucket = rgw.make_bucket("tierfs-lag")
-            store = [f"objectstore.url=s3://{bucket}/side{i},objectstore.endpoint_url={rgw.endpoint_url},"
-                     f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-                     f"objectstore.addressing=path" for i in range(len(sides))]
+            store = [C.rgw_store_options(rgw, bucket, f"side{i}") for i in range(len(sides))]
         mounts = {}
         for i, (name, src) in enumerate(sides):
             opts = [BASE_OPTS, *([store[i]] if store[i] else []), *args.options]
@@ -189,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                      round(C.median(r["fetch_bytes"] for r in rs) / 1e6, 1),
                      round(C.median(r["needed_bytes"] for r in rs) / 1e6, 2)])
     C.print_table(["daemon", "fetched/needed", "aim", "seconds", "GETs", "daemon CPU s", "fetched MB", "needed MB"], rows)
+    print(f"({C.DAEMON_CPU_NOTE})")
     if args.json:
         C.write_json(args.json, {"options": args.options, "ab_src": args.ab_src, "runs": runs})
     return 0

@@ -186,7 +186,7 @@ def wait_tiered(db: Path, n: int, timeout: float, pid: int) -> dict:
             res["rows_at_timeout"] = rows
             return res
         if now - last_log > 30:
-            C.log(f"  {now - t0:.0f}s: {rows} rows, {tiered} tiered; daemon cpu {C.proc_cpu_seconds(pid):.0f}s, "
+            C.log(f"  {now - t0:.0f}s: {rows} rows, {tiered} tiered; daemon cpu {C.daemon_cpu_seconds(pid):.0f}s, "
                   f"rss {rss_bytes(pid) >> 20} MiB")
             last_log = now
         # each poll scans the whole catalog (no index on state): poll less often the larger it is, so the bench
@@ -261,14 +261,14 @@ def run_one(n: int, args: argparse.Namespace, store_opts: list[str], floor_store
             res["mount_empty_s"] = round(time.perf_counter() - t, 3)
             assert m.pid is not None
             res["rss_start"] = rss_bytes(m.pid)
-            cpu0 = C.proc_cpu_seconds(m.pid)
+            cpu0 = C.daemon_cpu_seconds(m.pid)
             with contextlib.ExitStack() as stack:
                 if prof_dir is not None:
                     prof = prof_dir / f"tiering-{n}.speedscope.json"
                     stack.enter_context(C.py_spy_record(m.pid, prof, rate=args.py_spy_rate))
                     res["profile"] = str(prof)
                 res.update(wait_tiered(db, n, args.tier_timeout, m.pid))
-            res["tier_cpu_s"] = round(C.proc_cpu_seconds(m.pid) - cpu0, 2)
+            res["tier_cpu_s"] = round(C.daemon_cpu_seconds(m.pid) - cpu0, 2)
             res["rss_tiered"] = rss_bytes(m.pid)
             if res.get("timed_out"):
                 C.log(f"N={n}: NOT all tiered after {args.tier_timeout}s "
@@ -290,17 +290,17 @@ def run_one(n: int, args: argparse.Namespace, store_opts: list[str], floor_store
         with C.TierfsMount(hot, mntp, opts, tierfs_src=args.tierfs_src) as m:
             res["remount_s"] = round(time.perf_counter() - t, 3)
             assert m.pid is not None
-            res["remount_cpu_s"] = C.proc_cpu_seconds(m.pid)  # the daemon's whole life so far: start + reconcile
-            cpu0 = C.proc_cpu_seconds(m.pid)
+            res["remount_cpu_s"] = C.daemon_cpu_seconds(m.pid)  # the daemon's whole life so far: start + reconcile
+            cpu0 = C.daemon_cpu_seconds(m.pid)
             res["ls_mount_s"], lines_m = ls_r(m.mnt)
-            res["ls_mount_cpu_s"] = C.proc_cpu_seconds(m.pid) - cpu0
+            res["ls_mount_cpu_s"] = C.daemon_cpu_seconds(m.pid) - cpu0
             res["ls_native_s"], lines_n = ls_r(native)
             res["ls_mount_warm_s"], _ = ls_r(m.mnt)
             res["ls_lines"] = [lines_m, lines_n]
             time.sleep(float(args.attr_timeout) + 0.5)  # the kernel's cached entries expire: stats reach the daemon
-            cpu0 = C.proc_cpu_seconds(m.pid)
+            cpu0 = C.daemon_cpu_seconds(m.pid)
             sm = stat_latencies(m.mnt, sample)
-            res["stat_cpu_us"] = (C.proc_cpu_seconds(m.pid) - cpu0) / len(sample) * 1e6
+            res["stat_cpu_us"] = (C.daemon_cpu_seconds(m.pid) - cpu0) / len(sample) * 1e6
             sn = stat_latencies(native, sample)
             res["stat_mount_p50_us"], res["stat_mount_p99_us"] = C.percentile(sm, .5) * 1e6, C.percentile(sm, .99) * 1e6
             res["stat_native_p50_us"], res["stat_native_p99_us"] = C.percentile(sn, .5) * 1e6, C.percentile(sn, .99) * 1e6
@@ -372,6 +372,7 @@ def print_report(rows: list[dict], args: argparse.Namespace, store: str) -> None
           r["objects_per_s"], r["tier_cpu_ms_per_file"], r["catalog_bytes_per_file"], r["status_json_s"] * 1e3,
           r["status_json_us_per_file"], r["status_s"] * 1e3, r["metrics_s"] * 1e3, r["rss_mib"],
           r["rss_kib_per_file"], r["mount_empty_s"]] for r in rows])
+    print(f"({C.DAEMON_CPU_NOTE})")
     floors = [r for r in rows if r.get("floor")]
     if floors:
         print("\nper-object requests (PUT + verifying GET of tiny objects straight into the store, no FUSE, no "
@@ -442,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             rgw = stack.enter_context(C.ceph_rgw(keep=args.keep))
             bucket = rgw.make_bucket("tierfs-scale")
             store = f"Ceph RGW {rgw.endpoint_url}"
-            store_opts = [f"objectstore.url=s3://{bucket}/scale,objectstore.endpoint_url={rgw.endpoint_url},"
-                          f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-                          "objectstore.addressing=path"]
+            store_opts = [C.rgw_store_options(rgw, bucket, "scale")]
             if args.floor_objects:
                 floor_store = (f"s3://{bucket}/floor", {"endpoint_url": rgw.endpoint_url, "addressing": "path",
                                                          "access_key": rgw.access_key, "secret_key": rgw.secret_key})

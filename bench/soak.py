@@ -1523,7 +1523,7 @@ def main(argv: list[str] | None = None) -> int:
             with C.TierfsMount(base / "hot", base / "mnt", options) as m:
                 C.log(f"mounted {m.hot} at {m.mnt} (daemon pid {m.pid})")
                 res = run_soak(m.mnt, p, workdir=workdir)
-                res["daemon_cpu_s"] = round(C.proc_cpu_seconds(m.pid), 1)
+                res["daemon_cpu_s"] = round(C.daemon_cpu_seconds(m.pid), 1)
         res["baseline"] = baseline
         res["mount_options"] = options
         res["loadavg_at_end"] = os.getloadavg()
