@@ -383,13 +383,13 @@ def run_tierfs_multi(mnt: C.TierfsMount, crcs: dict[str, list[int]], size: int) 
     rels = list(crcs)
     resident = force_evicted(mnt, rels)
     reset_peak_rss(mnt.pid)
-    cpu0 = C.proc_cpu_seconds(mnt.pid)
+    cpu0 = C.daemon_cpu_seconds(mnt.pid)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(rels)) as pool:
         each = list(pool.map(lambda r: read_file_sequential(mnt.mnt / r, crcs[r], size), rels))
     dt = time.perf_counter() - t0
     return {"MBps": len(rels) * size / dt / 1e6, "seconds": dt, "readers": len(rels),
-            "daemon_cpu_s": round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2), "daemon_peak_rss_mb": peak_rss_mb(mnt.pid),
+            "daemon_cpu_s": round(C.daemon_cpu_seconds(mnt.pid) - cpu0, 2), "daemon_peak_rss_mb": peak_rss_mb(mnt.pid),
             "slowest_reader_MBps": min(r["MBps"] for r in each), "resident_before": resident}
 
 
@@ -482,7 +482,7 @@ def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | 
     resident = force_evicted(mnt, [SEGMENT])
     path = mnt.mnt / SEGMENT
     e0, s0 = engine_counters(mnt), mnt.stats()
-    cpu0 = C.proc_cpu_seconds(mnt.pid)
+    cpu0 = C.daemon_cpu_seconds(mnt.pid)
     # the peak of this read, not of the daemon's life: the seal maps the whole segment it checks (file pages,
     # counted in VmHWM), which showed as a 1.1 GB "peak" of a 1 GiB read with 60 MB of anonymous memory
     reset_peak_rss(mnt.pid)
@@ -492,7 +492,7 @@ def run_tierfs_seq(mnt: C.TierfsMount, crcs: list[int], size: int, prof: Path | 
         if perf:
             stack.enter_context(C.perf_record(mnt.pid, perf))
         res = read_file_sequential(path, crcs, size)
-    res["daemon_cpu_s"] = round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2)
+    res["daemon_cpu_s"] = round(C.daemon_cpu_seconds(mnt.pid) - cpu0, 2)
     res["daemon_peak_rss_mb"] = peak_rss_mb(mnt.pid)
     res["segment_resident_before"] = resident
     d = counters_delta(e0, engine_counters(mnt))
@@ -532,9 +532,9 @@ def run_rclone_seq(base: Path, conf: Path, bucket: str, crcs: list[int], size: i
         with RcloneMount(conf, f"rgw:{bucket}/{Path(RCLONE_KEY).parent}", mnt, base / f"rclone-cache-{rep}-{i}",
                          base / f"rclone-{rep}-{i}.log", RCLONE_SETTINGS[name], read_ahead_kb) as rc:
             assert rc.proc is not None
-            cpu0 = C.proc_cpu_seconds(rc.proc.pid)
+            cpu0 = C.daemon_cpu_seconds(rc.proc.pid)
             runs[name] = read_file_sequential(mnt / Path(RCLONE_KEY).name, crcs, size)
-            runs[name]["rclone_cpu_s"] = round(C.proc_cpu_seconds(rc.proc.pid) - cpu0, 2)
+            runs[name]["rclone_cpu_s"] = round(C.daemon_cpu_seconds(rc.proc.pid) - cpu0, 2)
     best = max(runs, key=lambda n: runs[n]["MBps"])
     return {**runs[best], "settings": best, "by_settings": {n: round(r["MBps"], 1) for n, r in runs.items()}}
 
@@ -681,7 +681,7 @@ def print_report(rows: list[dict], reps: list[dict], setup: dict, args: argparse
     last = reps[-1]
     t = last["seq"]["tierfs"]
     print()
-    print("details (last repetition):")
+    print(f"details (last repetition; {C.DAEMON_CPU_NOTE}):")
     b = last["seq"]["boto3"]
     print(f"  boto3 MB/s by part size: {', '.join(f'{p >> 20} MiB {v}' for p, v in b['by_part'].items())}; "
           f"client CPU of the best {b['client_cpu_s']} s")
@@ -790,9 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         setup.update(write_commitlog_segment(ref, size))
         setup["generate_s"] = round(time.perf_counter() - t, 1)
         crcs = piece_crcs(ref)
-        s3 = (f"objectstore.url=s3://{bucket}/tierfs,objectstore.endpoint_url={rgw.endpoint_url},"
-              f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-              f"objectstore.addressing=path")
+        s3 = C.rgw_store_options(rgw, bucket, "tierfs")
         opts = [BASE_OPTS, s3, *args.options]
         with contextlib.ExitStack() as ab_stack, \
                 C.TierfsMount(base / "hot", base / "mnt", opts, tierfs_src=args.tierfs_src) as mnt:
@@ -871,9 +869,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             int(cfg["mount.read_ahead_kb"]))
                     elif side == "ceiling" and not args.no_ceiling:
                         C.read_file_once(mnt.hot / LOCAL_COPY)  # the backing bytes in RAM, like RGW's memstore
-                        s0, cpu0 = mnt.stats(), C.proc_cpu_seconds(mnt.pid)
+                        s0, cpu0 = mnt.stats(), C.daemon_cpu_seconds(mnt.pid)
                         r["seq"]["ceiling"] = read_file_sequential(mnt.mnt / LOCAL_COPY, crcs, size)
-                        r["seq"]["ceiling"]["daemon_cpu_s"] = round(C.proc_cpu_seconds(mnt.pid) - cpu0, 2)
+                        r["seq"]["ceiling"]["daemon_cpu_s"] = round(C.daemon_cpu_seconds(mnt.pid) - cpu0, 2)
                         r["seq"]["ceiling"]["fuse"] = C.stats_delta(s0, mnt.stats())
                     if side in r["seq"]:
                         C.log(f"rep{rep} seq {side}: {r['seq'][side]['MBps']:.1f} MB/s"

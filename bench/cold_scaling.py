@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     with C.ceph_rgw(memstore_bytes=max(4 << 30, int(1.5 * n * size) + (1 << 30)), keep=args.keep) as rgw, \
             C.temp_base(args.dir, prefix="tierfs-scaling-", keep=args.keep) as base:
         bucket = rgw.make_bucket(args.bucket)
-        s3 = (f"objectstore.url=s3://{bucket}/tierfs,objectstore.endpoint_url={rgw.endpoint_url},"
-              f"objectstore.access_key_id={rgw.access_key},objectstore.secret_access_key={rgw.secret_key},"
-              f"objectstore.addressing=path")
+        s3 = C.rgw_store_options(rgw, bucket, "tierfs")
         crcs: dict[str, list[int]] = {}
         for ci, conc in enumerate(concs):
             opts = [R.BASE_OPTS, s3, f"objectstore.max_concurrency={conc}", *args.options]
@@ -123,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     C.log(f"c={conc} readers={k}: tierfs {cell['tierfs_MBps']:.0f} MB/s, boto3 "
                           f"{cell['boto3_MBps']:.0f} MB/s, daemon CPU {cell['daemon_cpu_s_per_GiB']:.2f} s/GiB")
     print(f"\ntierfs cold-read scaling ({size >> 20} MiB evicted segments per reader, Ceph RGW on 127.0.0.1, "
-          f"{os.cpu_count()} CPUs, repeat {args.repeat}; boto3 at the same total concurrency, best part size)")
+          f"{os.cpu_count()} CPUs, repeat {args.repeat}; boto3 at the same total concurrency, best part size; "
+          f"{C.DAEMON_CPU_NOTE})")
     C.print_table(["max_concurrency", "readers", "tierfs MB/s", "boto3 MB/s", "tierfs/boto3", "daemon CPU s/GiB",
                    "boto3 CPU s/GiB", "CPU ratio", "daemon peak RSS MB"],
                   [[c["concurrency"], c["readers"], round(c["tierfs_MBps"]), round(c["boto3_MBps"]),
