@@ -193,7 +193,7 @@ class RocketMQ:
             self.ns_port = namesrv.ns_port
         self.namesrv: JavaProcess | None = None
         self.controller: JavaProcess | None = None
-        self.controller_port = 0
+        self.controller_port = self.controller_starts = 0
         self.broker: JavaProcess | None = None
         self.heap, self.direct = heap, direct
         self.conf: dict[str, str] = {}
@@ -233,21 +233,28 @@ class RocketMQ:
         assert owner.controller_port, "no controller started"
         return f"127.0.0.1:{owner.controller_port}"
 
-    def start_controller(self, timeout: float = 90) -> None:
+    def start_controller(self, timeout: float = 90, **overrides: object) -> None:
         """A standalone 5.x controller (rocketmq-controller's ControllerStartup, a DLedger group of one) for the
-        brokers of controller mode; its store under this home, never on the mount."""
-        self.controller_port, raft_port = free_ports(2)
+        brokers of controller mode; its store under this home, never on the mount. Started again (after
+        stop_controller), it keeps its port and store, so it remembers the broker group."""
+        if not self.controller_port:  # a DLedger controller serves brokers on its peer port (listenPort unbound)
+            self.controller_port, = free_ports(1)
         conf = self.home / "controller.conf"
-        conf.write_text("".join(f"{k}={v}\n" for k, v in dict(
-            listenPort=self.controller_port, controllerDLegerGroup="tierfs-ctl",
-            controllerDLegerPeers=f"n0-127.0.0.1:{raft_port}", controllerDLegerSelfId="n0",
+        conf.write_text("".join(f"{k}={v}\n" for k, v in {**dict(
+            controllerDLegerGroup="tierfs-ctl",
+            controllerDLegerPeers=f"n0-127.0.0.1:{self.controller_port}", controllerDLegerSelfId="n0",
             controllerStorePath=self.home / "controller-store", mappedFileSize=4 << 20,
             enableElectUncleanMaster="false", notifyBrokerRoleChanged="true",
-            scanNotActiveBrokerInterval=1000, scanInactiveMasterInterval=1000).items()))
+            scanNotActiveBrokerInterval=1000, scanInactiveMasterInterval=1000), **overrides}.items()))
+        self.controller_starts += 1
         self.controller = JavaProcess("controller", self._java("org.apache.rocketmq.controller.ControllerStartup",
                                                                "-c", str(conf), heap="256m"),
-                                      self.home / "controller.out", self._env())
+                                      self.home / f"controller.{self.controller_starts}.out", self._env())
         self.controller.wait_output("boot success", timeout)
+
+    def stop_controller(self) -> None:
+        if self.controller is not None:
+            self.controller.stop(signal.SIGKILL, 30)
 
     def broker_conf(self, store: Path, **overrides: object) -> dict[str, str]:
         """broker.conf for a store at `store`: small segments, SYNC_FLUSH, ports of this instance."""
@@ -256,7 +263,7 @@ class RocketMQ:
             brokerIP1="127.0.0.1", brokerIP2="127.0.0.1",  # brokerIP2: the HA address, never the host's own IP
             namesrvAddr=self.ns_addr, listenPort=self.port, haListenPort=self.ha_port,
             storePathRootDir=store, storePathCommitLog=store / "commitlog",
-            mappedFileSizeCommitLog=4 << 20, mappedFileSizeConsumeQueue=20 * 6000,
+            mappedFileSizeCommitLog=COMMITLOG_BYTES, mappedFileSizeConsumeQueue=20 * 6000,
             maxIndexNum=INDEX_NUM, maxHashSlotNum=HASH_SLOTS, flushDiskType="SYNC_FLUSH",
             flushIntervalConsumeQueue=200, flushConsumeQueueThoroughInterval=1000,
             flushCommitLogThoroughInterval=1000, autoCreateTopicEnable="false", syncFlushTimeout=10_000,
@@ -370,6 +377,7 @@ class BrokerGroup:
 
 # Segment geometry shared by broker.conf and the tierfs options (tierfs must know the IndexFile size).
 INDEX_NUM = 20_000
+COMMITLOG_BYTES = 4 << 20
 HASH_SLOTS = 5_000
 TIMERLOG_BYTES = 52 * 5_000  # TimerLog units are 52 bytes; a segment ends with a roll blank
 
