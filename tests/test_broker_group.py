@@ -45,8 +45,8 @@ PROBE = "GP"  # one-message sends that wait for a new master
 
 
 class GroupEnv(Env):
-    """A broker group on one tierfs mount (test_broker's: hot dir on a tmpfs of its own, objects in a local
-    directory), the group's first broker standing for the single one's client and name server."""
+    """A broker group on one tierfs mount, or two (test_broker's: hot dir on a tmpfs of its own, objects in a
+    local directory); the group's first broker runs the clients and the name server."""
 
     def __init__(self, version: str, base: Path, controller: bool, roots: tuple[str, str] = ROOTS,
                  two_mounts: bool = False):
@@ -55,15 +55,17 @@ class GroupEnv(Env):
         # with two mounts the second store is on a tierfs of its own (hot tmpfs, daemon, object directory)
         self.second: Env | None = None
         self.report: dict = {}
-        if two_mounts:
-            try:
+        try:
+            if two_mounts:
                 (base / "second").mkdir()
                 self.second = Env(version, base / "second")
-            except BaseException:
-                super().close()
-                raise
-        self.places = {roots[0]: self, roots[1]: self.second or self}
-        self.group = B.BrokerGroup(version, base / "home", [self.path(r) for r in roots], controller=controller)
+            self.places = {roots[0]: self, roots[1]: self.second or self}
+            self.group = B.BrokerGroup(version, base / "home", [self.path(r) for r in roots], controller=controller)
+        except BaseException:  # e.g. RocketMQ not resolved: no tmpfs left behind
+            if self.second is not None:
+                self.second.close()
+            super().close()
+            raise
 
     def path(self, root: str) -> Path:
         """The store root `root` through its mount."""
