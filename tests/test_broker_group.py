@@ -153,6 +153,13 @@ def identical_files(env: GroupEnv, a: str, b: str, kind: str) -> tuple[int, int]
     return common, same
 
 
+def stored_bytes(env: GroupEnv, root: str) -> int:
+    """Bytes of the objects of store root `root` in its mount's object directory (segments and their tables)."""
+    place = env.places[root]
+    return sum(f.stat().st_size for f in (place.objects / place.status()["store_id"] / "seg" / root).rglob("*")
+               if f.is_file())
+
+
 def caught_up(env: GroupEnv, follower: str, leader: str) -> bool:
     """Every ConsumeQueue of the follower has as many units as the leader's: it replicated (and dispatched)
     everything the leader has."""
@@ -224,6 +231,7 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     with timed(report, "compare segments"):
         same = identical_sealed_segments(env, "master", "slave")
         others = {kind: identical_files(env, "master", "slave", kind) for kind in ("consumequeue", "index")}
+        stored = {r: stored_bytes(env, r) for r in ROOTS}
     master = env.group.members[0]
     with timed(report, "master stop"):
         master.stop_broker(signal.SIGTERM)  # unregisters: the name server routes the group to the slave only
@@ -234,7 +242,8 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     report["msgs/s from slave"] = round(N / got["secs"])
     print(f"\n4.9.7 group: (tiered, evicted) CommitLog segments per store {counts}; {same} sealed segments "
           f"byte-identical between master and slave; (tiered files the slave has too, byte-identical) by kind: "
-          f"{others}")
+          f"{others}; object bytes per store {stored}: master+slave / master alone = "
+          f"{sum(stored.values()) / stored['master']:.2f}")
 
 
 @pytest.fixture(scope="module")
