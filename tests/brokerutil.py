@@ -173,9 +173,12 @@ class JavaProcess:
 
 
 class RocketMQ:
-    """A name server plus one broker of one version, with their home (logs, ROCKETMQ_HOME) under `home`."""
+    """A name server plus one broker of one version, with their home (logs, ROCKETMQ_HOME) under `home`.
+    With `namesrv`, the broker of this instance registers with that instance's name server (and controller)
+    and starts none of its own: one member of a broker group."""
 
-    def __init__(self, version: str, home: Path, heap: str = "512m", direct: str = "256m"):
+    def __init__(self, version: str, home: Path, heap: str = "512m", direct: str = "256m",
+                 namesrv: "RocketMQ | None" = None):
         self.version = version
         self.cp = classpath(version)
         self.classes = client_classes(version)
@@ -185,7 +188,12 @@ class RocketMQ:
             (self.home / "conf" / f"logback_{part}.xml").write_text(
                 _LOGBACK.format(log=self.home / "logs" / f"{part}.log"))
         self.ns_port, self.port, self.ha_port = free_ports(3)
+        self.shared = namesrv
+        if namesrv is not None:
+            self.ns_port = namesrv.ns_port
         self.namesrv: JavaProcess | None = None
+        self.controller: JavaProcess | None = None
+        self.controller_port = self.controller_starts = 0
         self.broker: JavaProcess | None = None
         self.heap, self.direct = heap, direct
         self.conf: dict[str, str] = {}
@@ -219,13 +227,43 @@ class RocketMQ:
                                    self.home / "namesrv.out", self._env())
         self.namesrv.wait_output("boot success", timeout)
 
+    @property
+    def controller_addr(self) -> str:
+        owner = self.shared or self
+        assert owner.controller_port, "no controller started"
+        return f"127.0.0.1:{owner.controller_port}"
+
+    def start_controller(self, timeout: float = 90, **overrides: object) -> None:
+        """A standalone 5.x controller (rocketmq-controller's ControllerStartup, a DLedger group of one) for the
+        brokers of controller mode; its store under this home, never on the mount. Started again (after
+        stop_controller), it keeps its port and store, so it remembers the broker group."""
+        if not self.controller_port:  # a DLedger controller serves brokers on its peer port (listenPort unbound)
+            self.controller_port, = free_ports(1)
+        conf = self.home / "controller.conf"
+        conf.write_text("".join(f"{k}={v}\n" for k, v in {**dict(
+            controllerDLegerGroup="tierfs-ctl",
+            controllerDLegerPeers=f"n0-127.0.0.1:{self.controller_port}", controllerDLegerSelfId="n0",
+            controllerStorePath=self.home / "controller-store", mappedFileSize=4 << 20,
+            enableElectUncleanMaster="false", notifyBrokerRoleChanged="true",
+            scanNotActiveBrokerInterval=1000, scanInactiveMasterInterval=1000), **overrides}.items()))
+        self.controller_starts += 1
+        self.controller = JavaProcess("controller", self._java("org.apache.rocketmq.controller.ControllerStartup",
+                                                               "-c", str(conf), heap="256m"),
+                                      self.home / f"controller.{self.controller_starts}.out", self._env())
+        self.controller.wait_output("boot success", timeout)
+
+    def stop_controller(self) -> None:
+        if self.controller is not None:
+            self.controller.stop(signal.SIGKILL, 30)
+
     def broker_conf(self, store: Path, **overrides: object) -> dict[str, str]:
         """broker.conf for a store at `store`: small segments, SYNC_FLUSH, ports of this instance."""
         conf: dict[str, object] = dict(
             brokerClusterName=CLUSTER, brokerName=BROKER_NAME, brokerId=0, brokerRole="ASYNC_MASTER",
-            brokerIP1="127.0.0.1", namesrvAddr=self.ns_addr, listenPort=self.port, haListenPort=self.ha_port,
+            brokerIP1="127.0.0.1", brokerIP2="127.0.0.1",  # brokerIP2: the HA address, never the host's own IP
+            namesrvAddr=self.ns_addr, listenPort=self.port, haListenPort=self.ha_port,
             storePathRootDir=store, storePathCommitLog=store / "commitlog",
-            mappedFileSizeCommitLog=4 << 20, mappedFileSizeConsumeQueue=20 * 6000,
+            mappedFileSizeCommitLog=COMMITLOG_BYTES, mappedFileSizeConsumeQueue=20 * 6000,
             maxIndexNum=INDEX_NUM, maxHashSlotNum=HASH_SLOTS, flushDiskType="SYNC_FLUSH",
             flushIntervalConsumeQueue=200, flushConsumeQueueThoroughInterval=1000,
             flushCommitLogThoroughInterval=1000, autoCreateTopicEnable="false", syncFlushTimeout=10_000,
@@ -283,13 +321,63 @@ class RocketMQ:
     def close(self) -> None:
         """Kill the broker then the name server by pid (SIGKILL: the store is thrown away, and a 5.x broker's
         graceful shutdown takes 10-20 s)."""
-        for p in (self.broker, self.namesrv):
+        for p in (self.broker, self.namesrv, self.controller):
             if p is not None:
                 p.stop(signal.SIGKILL, 30)
 
 
+
+class BrokerGroup:
+    """A broker group of one brokerName: two brokers, each its own JVM, home and store root, sharing the first
+    one's name server. Master-slave (4.x/5.x): members[0] is the master (brokerId 0, SYNC_MASTER), members[1]
+    the slave (brokerId 1, SLAVE), replicating over HA. Controller mode (5.x, `controller=True`): a controller
+    process too, both brokers with enableControllerMode and the controller deciding which one is the master."""
+
+    def __init__(self, version: str, home: Path, stores: Sequence[Path], controller: bool = False,
+                 heap: str = "512m"):
+        self.version, self.stores, self.controller = version, [Path(s) for s in stores], controller
+        first = RocketMQ(version, Path(home) / "b0", heap=heap)
+        self.members = [first] + [RocketMQ(version, Path(home) / f"b{i}", heap=heap, namesrv=first)
+                                  for i in range(1, len(self.stores))]
+
+    @property
+    def ns_addr(self) -> str:
+        return self.members[0].ns_addr
+
+    def conf(self, i: int, **overrides: object) -> dict[str, str]:
+        """broker.conf of member i: the single-broker settings (small segments, SYNC_FLUSH) plus its role."""
+        m = self.members[i]
+        if self.controller:
+            role: dict[str, object] = dict(
+                enableControllerMode="true", controllerAddr=m.controller_addr, brokerId=-1, brokerRole="SLAVE",
+                allAckInSyncStateSet="true",  # an acknowledgement means: on every replica of the sync state set
+                syncBrokerMetadataPeriod=1000, checkSyncStateSetPeriod=1000, haMaxTimeSlaveNotCatchup=5000,
+                controllerHeartBeatTimeoutMills=3000, sendHeartbeatTimeoutMillis=1000,
+                brokerHeartbeatInterval=500)
+        elif i == 0:
+            role = dict(brokerId=0, brokerRole="SYNC_MASTER")
+        else:
+            role = dict(brokerId=i, brokerRole="SLAVE")
+        return m.broker_conf(self.stores[i], **{**role, **overrides})
+
+    def start(self) -> None:
+        """The name server (and controller), then every broker in order; in controller mode, the first to
+        register becomes the master."""
+        self.members[0].start_namesrv()
+        if self.controller:
+            self.members[0].start_controller()
+        for i, m in enumerate(self.members):
+            m.start_broker(self.conf(i))
+
+    def close(self) -> None:
+        """Every broker, then the name server and controller, by pid."""
+        for m in reversed(self.members):
+            m.close()
+
+
 # Segment geometry shared by broker.conf and the tierfs options (tierfs must know the IndexFile size).
 INDEX_NUM = 20_000
+COMMITLOG_BYTES = 4 << 20
 HASH_SLOTS = 5_000
 TIMERLOG_BYTES = 52 * 5_000  # TimerLog units are 52 bytes; a segment ends with a roll blank
 

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -109,27 +110,36 @@ def segment_counts(st: dict) -> dict[str, tuple[int, int]]:
 
 
 def wait_mostly_evicted(env: Env, kinds: tuple[str, ...] = KINDS, timeout: float = 120) -> dict[str, tuple[int, int]]:
-    """Each of `kinds` has tiered segments, at least half of them evicted, and the upload backlog is empty.
-    Segments uploaded after the last eviction pass stay resident while the cache is under its high watermark
-    (15 of 32 ConsumeQueue files evicted, twice in CI): once the backlog is empty, `tierfs evict` makes a pass,
-    as an operator would."""
+    """Each of `kinds` has tiered segments, at least half of them evicted, and the upload backlog is empty."""
+    def ok(seen: dict) -> bool:
+        return all(seen[k][0] > 0 and seen[k][1] * 2 >= seen[k][0] for k in kinds)
+
+    return wait_evicted(env, segment_counts, ok, f"most {'/'.join(kinds)} segments tiered and evicted", timeout)
+
+
+def wait_evicted(env, counts: Callable[[dict], dict], ok: Callable[[dict], bool], what: str,
+                 timeout: float) -> dict:
+    """Wait until `ok(counts(status))` with an empty upload backlog. Segments uploaded after the last eviction
+    pass stay resident while the cache is under its high watermark (15 of 32 ConsumeQueue files evicted, twice in
+    CI): once the backlog is empty, `tierfs evict` makes a pass, as an operator would. `env` has status(), mount
+    and mnt (an Env, or the broker group's)."""
     seen: dict = {}
     pressed = [0.0]
 
     def done() -> bool:
         st = env.status()
-        seen.update(segment_counts(st), backlog=st["totals"]["upload_backlog_files"])
-        ok = seen["backlog"] == 0 and all(seen[k][0] > 0 and seen[k][1] * 2 >= seen[k][0] for k in kinds)
-        if not ok and seen["backlog"] == 0 and time.monotonic() - pressed[0] > 5:
+        seen.update(counts(st), backlog=st["totals"]["upload_backlog_files"])
+        good = seen["backlog"] == 0 and ok(seen)
+        if not good and seen["backlog"] == 0 and time.monotonic() - pressed[0] > 5:
             r = env.mount.cli("evict", env.mnt)
             assert r.returncode == 0, r.stderr
             pressed[0] = time.monotonic()
-        return ok
+        return good
 
     try:
-        wait_for(done, timeout, 0.5, what=f"most {'/'.join(kinds)} segments tiered and evicted")
+        wait_for(done, timeout, 0.5, what=what)
     except AssertionError as e:
-        raise AssertionError(f"{e}; (tiered, evicted) per kind and upload backlog: {seen}") from None
+        raise AssertionError(f"{e}; (tiered, evicted) and upload backlog: {seen}") from None
     return dict(seen)
 
 
