@@ -23,6 +23,7 @@ import pytest
 
 from test_spark_job import (REPO, SEED, STORE_ID, TOPIC_PREFIX, _group_alive, messages, native, sealed,  # noqa: F401
                             upload, write_input)
+from sparkcluster import spark_cluster  # noqa: F401 (the fixture)
 from tierfs.objectstore import ObjectStore, open_store
 from tierfs.spark import archive as ar
 from tierfs.spark import table as tb
@@ -232,3 +233,28 @@ def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw
     got = duckdb.connect().execute("SELECT count(DISTINCT (topic, queue_id, queue_offset)) FROM messages_ds")
     assert got.fetchall()[0][0] == len(want)
     assert rgw.secret_key not in (tmp_path / "rerun" / "result.json").read_text()
+
+
+def test_table_on_a_standalone_cluster_killed_mid_commit(native, tmp_path, spark_cluster):
+    """Executors of a real standalone cluster (whose Python has no tierfs) write the data files of a multi-topic
+    store; the driver is killed before its commit, then after it; the re-run finds everything committed once."""
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    rels = sorted(sealed(native)["commitlog"])
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    spec = {"url": f"file://{objects}", "options": {}}
+    uri = f"file://{objects}/tables/messages"
+    for name, failpoints in (("kill-before", "archive.table.before_commit=kill"),
+                             ("kill-after", "archive.table.after_commit=kill"), ("rerun", "")):
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=segs, archive_format="delta", broker="broker-a",
+                    posix_shared=True, spark=spark_cluster.conf())
+        r = _job(d, failpoints)
+        assert r.returncode == (-signal.SIGKILL if failpoints else 0), r.stderr[-3000:]
+        if name == "kill-before":
+            assert list((objects / "tables/messages").rglob("*.parquet"))
+            assert not (objects / "tables/messages/_delta_log").exists()
+    result = json.loads((tmp_path / "rerun" / "result.json").read_text())
+    assert result["ok"] and all(x["committed_before"] for x in result["archive"])
+    assert list(spark_cluster.root.glob("worker*/app-*/*/tierfs-package.zip"))  # the executors had no tierfs
+    check_rows(native, rels, uri)
