@@ -2,7 +2,7 @@
 Python has no tierfs, so the driver's shipping of the package is what makes the executors work).
 
 Every cluster run must give exactly the bytes a local[2] run gives on the same store content: lz4c objects,
-.cidx sidecars and the archive table's data files (their rows, less the store id), keyed by path. The reference comes from one local run (module fixture);
+.cidx sidecars and the archive table's data files (their rows, less the store id and broker), keyed by path. The reference comes from one local run (module fixture);
 the cluster runs cover `tierfs compact --master spark://...` on a shared posix store, the scheduled job with
 spark.master set on Ceph RGW, and a worker killed (SIGKILL, with its executor) while the job's tasks run.
 """
@@ -49,13 +49,13 @@ def outputs(m, store: ObjectStore) -> dict[str, bytes]:
     for prefix in (f"{sid}/idx/", f"{sid}/archive/"):
         for info in store.list(prefix):
             out[info.key[len(sid):]] = store.get(info.key)
-    # the archive table's data files (archive.format = delta): named and filled with the store id, which differs
-    # between runs, so compared by their rows without it
+    # the archive table's data files (archive.format = delta): named and filled with the store id (also the
+    # default broker name), which differs between runs, so compared by their rows without those columns
     for info in store.list(TABLE_PREFIX):
         if info.key.endswith(".parquet"):
             rows = pq.read_table(io.BytesIO(store.get(info.key)))
-            assert set(rows.column("store_id").to_pylist()) == {sid}
-            out[info.key.replace(ar.safe_name(sid), "<sid>")] = rows.drop_columns(["store_id"])
+            assert set(rows.column("store_id").to_pylist()) == set(rows.column("broker").to_pylist()) == {sid}
+            out[info.key.replace(ar.safe_name(sid), "<sid>")] = rows.drop_columns(["store_id", "broker"])
     return out
 
 
