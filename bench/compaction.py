@@ -16,9 +16,10 @@ mount, lets it tier and evict, and measures:
                 through the mount (raw objects before the job, lz4c after it), GETs counted (the daemon's fetch
                 counter, the sidecar reader's count); plus `query_offsets` end to end over all index files.
   4 seq read    a compacted (lz4c) segment vs. a raw copy of the same bytes, both evicted, read through the mount.
-  5 archive     the archive stage's rows/s (per core; the table unless -o archive.format=parquet) vs. decoding the same segments with the CommitLog codec in
-                one process (tierfs.spark.archive.iter_messages, CRC-checked); also archive_segment in one process
-                to a local store (decode + Parquet, no Spark, no object store reads).
+  5 archive     the archive stage's rows/s (per core; the table unless -o archive.format=parquet) vs. decoding
+                the same segments with the CommitLog codec in one process (tierfs.spark.archive.iter_messages,
+                CRC-checked); also archive_segment (plain Parquet) and archive_segment_table (the table's data
+                files, then their commit) in one process to a local store (no Spark, no object store reads).
 
 Every byte read is checked (crc32c per MiB), look-up answers are compared with a chain walk of the original files.
 Eviction between cold measurements: the daemon's own (tiny cache.max_bytes; status.json resident_bytes == 0)
@@ -1213,7 +1214,8 @@ def print_report(res: dict, summ: dict, args: argparse.Namespace) -> None:
     print("   (MiB: bytes transferred from the object store; for lz4c the compressed blocks)")
     a = summ["archive"]
     print()
-    print("5. archive stage (CommitLog -> the archive table, or Parquet with -o archive.format=parquet), rows per second")
+    print("5. archive stage (CommitLog -> the archive table; Parquet with -o archive.format=parquet), rows per "
+          "second")
     rows = [["rows/s per core", "CommitLog decode, 1 process", a["codec_rows_s"],
              f"job {a['rows_s']:,.0f} rows/s / {a['cores_used']} cores", a["rows_s_per_core"], f"{a['ratio']:.2f}"]]
     if a["local_archive_rows_s"]:

@@ -258,3 +258,26 @@ def test_table_on_a_standalone_cluster_killed_mid_commit(native, tmp_path, spark
     assert result["ok"] and all(x["committed_before"] for x in result["archive"])
     assert list(spark_cluster.root.glob("worker*/app-*/*/tierfs-package.zip"))  # the executors had no tierfs
     check_rows(native, rels, uri)
+
+
+def test_an_unreadable_table_fails_each_segment_not_the_job(native, tmp_path):
+    """A damaged log (here: a commit that is not JSON) makes every segment an error naming the table; nothing is
+    written, and the job still gives its result."""
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    rels = sorted(sealed(native)["commitlog"])[:2]
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    log = objects / "tables/messages/_delta_log"
+    log.mkdir(parents=True)
+    (log / f"{0:020d}.json").write_text("not json\n")
+    d = tmp_path / "job"
+    write_input(d, {"url": f"file://{objects}", "options": {}}, stages=["archive"], commitlogs=segs,
+                archive_format="delta")
+    r = _job(d)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((d / "result.json").read_text())
+    assert not result["ok"] and result["archive"] == []
+    assert sorted(e["path"] for e in result["errors"]) == rels
+    assert all(f"archive table file://{objects}/tables/messages cannot be read" in e["error"]
+               for e in result["errors"]), result["errors"]
+    assert not list((objects / "tables/messages").rglob("*.parquet"))

@@ -2,7 +2,8 @@
 Python has no tierfs, so the driver's shipping of the package is what makes the executors work).
 
 Every cluster run must give exactly the bytes a local[2] run gives on the same store content: lz4c objects,
-.cidx sidecars and the archive table's data files (their rows, less the store id and broker), keyed by path. The reference comes from one local run (module fixture);
+.cidx sidecars and the archive table's data files (their rows, less the store id and broker), keyed by path. The
+reference comes from one local run (module fixture);
 the cluster runs cover `tierfs compact --master spark://...` on a shared posix store, the scheduled job with
 spark.master set on Ceph RGW, and a worker killed (SIGKILL, with its executor) while the job's tasks run.
 """

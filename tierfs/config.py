@@ -274,8 +274,8 @@ SCHEMA: tuple[Key, ...] = (
         "The broker column of the archive table's rows (the brokerName of this store's broker group). "
         "Empty: the store id."),
     Key("archive.retention", "str", "",
-        "Per-topic retention of the archive (archive.format = parquet): TOPIC=DAYS,...,*=DAYS (days after the message date). "
-        "Empty: keep forever."),
+        "Per-topic retention of the archive (archive.format = parquet): TOPIC=DAYS,...,*=DAYS (days after the "
+        "message date). Empty: keep forever."),
     Key("spark.master", "str", "local[*]",
         "Spark master for pipeline jobs. Any other spark.* key is passed through to the SparkSession."),
     # --- metrics -------------------------------------------------------------------------------------

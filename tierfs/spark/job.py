@@ -554,7 +554,13 @@ def _not_yet_in_table(inp: JobInput, segs: list[dict], result: dict) -> list[dic
     from tierfs.spark.table import TableSpec, committed
 
     spec = TableSpec.of_store(inp.store["url"], inp.store["options"])
-    have = committed(spec, inp.store_id, [int(seg["generation"]) for seg in segs])
+    try:
+        have = committed(spec, inp.store_id, [int(seg["generation"]) for seg in segs])
+    except Exception as e:  # noqa: BLE001 - an unreadable table: every segment is an error, nothing is written
+        for seg in segs:
+            result["errors"].append({"stage": "archive", "path": seg["path"],
+                                     "error": f"archive table {spec.uri} cannot be read: {type(e).__name__}: {e}"})
+        return []
     for seg in segs:
         if int(seg["generation"]) in have:
             result["archive"].append({"path": seg["path"], "generation": int(seg["generation"]), "rows": 0,
