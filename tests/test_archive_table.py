@@ -233,6 +233,15 @@ def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw
     got = duckdb.connect().execute("SELECT count(DISTINCT (topic, queue_id, queue_offset)) FROM messages_ds")
     assert got.fetchall()[0][0] == len(want)
     assert rgw.secret_key not in (tmp_path / "rerun" / "result.json").read_text()
+    # what two stores committing at once rely on: the log's next commit is created only if absent
+    from botocore.exceptions import ClientError
+
+    c = rgw.client()
+    key = f"t/{tb.TABLE_PREFIX}_delta_log/{0:020d}.json"
+    with pytest.raises(ClientError, match="PreconditionFailed"):
+        c.put_object(Bucket=bucket, Key=key, Body=b"{}", IfNoneMatch="*")
+    two = DeltaTable(table.uri, storage_options=table.storage_options)
+    assert two.version() == 0 and two.transaction_version(tb.app_id(STORE_ID, GEN0)) == GEN0
 
 
 def test_table_on_a_standalone_cluster_killed_mid_commit(native, tmp_path, spark_cluster):
