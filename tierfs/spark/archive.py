@@ -2,6 +2,10 @@
 
     <store-id>/archive/topic=<t>/date=<YYYY-MM-DD>/part-<segment file name>-g<generation>.parquet
 
+With archive.format = "delta" (the default) the same writer makes the data files of the archive table instead
+(archive_segment_table: four more columns, microsecond timestamps, under tables/messages/), which the driver
+commits (tierfs.spark.table).
+
 Runs inside Spark executors (`archive_segment`) and on the driver (`sweep`: retention and superseded
 generations). Files are named after their source segment so a re-run overwrites instead of duplicating; every
 file of a segment is written locally first and uploaded only after the whole segment decoded cleanly, so a
