@@ -16,6 +16,7 @@ generation's files in the same commit (remove actions), so no message is in the 
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -97,7 +98,6 @@ def commit(spec: TableSpec, store_id: str, rows: list[dict]) -> int:
     from deltalake import Schema
     from deltalake.transaction import (AddAction, CommitProperties, RemoveAction, Transaction,
                                        create_table_with_add_actions)
-    import json
 
     now = int(time.time() * 1000)
     adds = [AddAction(f["path"], int(f["size"]), {"topic": f["topic"], "date": f["date"]}, now, True,
