@@ -16,9 +16,10 @@ mount, lets it tier and evict, and measures:
                 through the mount (raw objects before the job, lz4c after it), GETs counted (the daemon's fetch
                 counter, the sidecar reader's count); plus `query_offsets` end to end over all index files.
   4 seq read    a compacted (lz4c) segment vs. a raw copy of the same bytes, both evicted, read through the mount.
-  5 archive     the archive stage's rows/s (per core) vs. decoding the same segments with the CommitLog codec in
-                one process (tierfs.spark.archive.iter_messages, CRC-checked); also archive_segment in one process
-                to a local store (decode + Parquet, no Spark, no object store reads).
+  5 archive     the archive stage's rows/s (per core; the table unless -o archive.format=parquet) vs. decoding
+                the same segments with the CommitLog codec in one process (tierfs.spark.archive.iter_messages,
+                CRC-checked); also archive_segment (plain Parquet) and archive_segment_table (the table's data
+                files, then their commit) in one process to a local store (no Spark, no object store reads).
 
 Every byte read is checked (crc32c per MiB), look-up answers are compared with a chain walk of the original files.
 Eviction between cold measurements: the daemon's own (tiny cache.max_bytes; status.json resident_bytes == 0)
@@ -441,6 +442,20 @@ def decode_baselines(store: Store, block_bytes: int, repeat: int, with_archive: 
                          archive_cpu_s=time.process_time() - c0)
                 if row["rows"] != s.messages:
                     raise RuntimeError(f"local archive of {s.rel}: {row['rows']} rows, {s.messages} messages")
+                # the same segment as archive-table files, then their commit (delta-rs, one transaction)
+                from tierfs.spark import table
+
+                t0, c0 = time.perf_counter(), time.process_time()
+                row = archive.archive_segment_table(local, "bench", seg, table.TABLE_PREFIX, "bench",
+                                                    read=lambda _st, _seg, d=data: _blocks(d, block_bytes))
+                o.update(table_rows=row["rows"], table_s=time.perf_counter() - t0,
+                         table_cpu_s=time.process_time() - c0)
+                seg_t = table.TableSpec.of_store(f"file://{tmp / 'local-archive'}", {})
+                t0 = time.perf_counter()
+                table.commit(seg_t, "bench", [dict(row, generation=len(out) + 1)])
+                o["table_commit_s"] = time.perf_counter() - t0
+                if row["rows"] != s.messages:
+                    raise RuntimeError(f"local table archive of {s.rel}: {row['rows']} rows, {s.messages} messages")
     finally:
         if local is not None:
             local.close()
@@ -453,6 +468,8 @@ def decode_baselines(store: Store, block_bytes: int, repeat: int, with_archive: 
         if "archive_s" in o:
             o["archive_rows_s"], o["archive_rows_cpu_s"] = o["archive_rows"] / o["archive_s"], \
                 o["archive_rows"] / o["archive_cpu_s"]
+            o["table_rows_s"], o["table_rows_cpu_s"] = o["table_rows"] / o["table_s"], \
+                o["table_rows"] / o["table_cpu_s"]
     return out
 
 
@@ -1082,6 +1099,9 @@ def summarize(res: dict, args: argparse.Namespace) -> dict:
                       "codec_rows_s": dec["all"]["decode_rows_s"], "codec_rows_cpu_s": dec["all"]["decode_rows_cpu_s"],
                       "local_archive_rows_s": dec["all"].get("archive_rows_s"),
                       "local_archive_rows_cpu_s": dec["all"].get("archive_rows_cpu_s"),
+                      "local_table_rows_s": dec["all"].get("table_rows_s"),
+                      "local_table_rows_cpu_s": dec["all"].get("table_rows_cpu_s"),
+                      "local_table_commit_s": dec["all"].get("table_commit_s"),
                       "job_rows_per_cpu_s": rows_n / stage_cpu["archive"]["total"] if stage_cpu.get("archive") else None,
                       "workers_rows_per_cpu_s": rows_n / stage_cpu["archive"]["python workers"]
                       if stage_cpu.get("archive", {}).get("python workers") else None}
@@ -1186,7 +1206,8 @@ def print_report(res: dict, summ: dict, args: argparse.Namespace) -> None:
     print(f"   ({C.DAEMON_CPU_NOTE})")
     a = summ["archive"]
     print()
-    print("5. archive stage (CommitLog -> Parquet), rows per second")
+    print("5. archive stage (CommitLog -> the archive table; Parquet with -o archive.format=parquet), rows per "
+          "second")
     rows = [["rows/s per core", "CommitLog decode, 1 process", a["codec_rows_s"],
              f"job {a['rows_s']:,.0f} rows/s / {a['cores_used']} cores", a["rows_s_per_core"], f"{a['ratio']:.2f}"]]
     if a["local_archive_rows_s"]:
@@ -1205,6 +1226,16 @@ def print_report(res: dict, summ: dict, args: argparse.Namespace) -> None:
         rows.append(["rows per CPU-second", "CommitLog decode, 1 process", a["codec_rows_cpu_s"],
                      "archive_segment in 1 process, local", a["local_archive_rows_cpu_s"],
                      f"{a['local_archive_rows_cpu_s'] / a['codec_rows_cpu_s']:.2f}"])
+    if a.get("local_table_rows_s"):
+        rows.append(["rows/s, 1 core", "CommitLog decode, 1 process", a["codec_rows_s"],
+                     "archive_segment_table in 1 process, local", a["local_table_rows_s"],
+                     f"{a['local_table_rows_s'] / a['codec_rows_s']:.2f}"])
+        rows.append(["rows/s, 1 core", "archive_segment (plain Parquet)", a["local_archive_rows_s"],
+                     "archive_segment_table (table files)", a["local_table_rows_s"],
+                     f"{a['local_table_rows_s'] / a['local_archive_rows_s']:.2f}"])
+        rows.append(["rows per CPU-second", "archive_segment (plain Parquet)", a["local_archive_rows_cpu_s"],
+                     "archive_segment_table (table files)", a["local_table_rows_cpu_s"],
+                     f"{a['local_table_rows_cpu_s'] / a['local_archive_rows_cpu_s']:.2f}"])
     C.print_table(["figure", "baseline", "rows/s", "tierfs", "rows/s", "tierfs/base"], rows)
     result = job["result"]
     print()

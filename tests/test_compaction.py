@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,21 @@ def check_mount_reads(m, ref: Path) -> None:
     assert int(out.stdout) == zlib.crc32((ref / rel).read_bytes())
 
 
+def check_archive_table(m, ref: Path, commitlogs: list[str]) -> None:
+    """The archive table (archive.format's default) holds each message of the tiered CommitLog segments once."""
+    from deltalake import DeltaTable
+
+    want = Counter()
+    for rel in commitlogs:
+        for _, rec in cl.iter_records((ref / rel).read_bytes()):
+            if isinstance(rec, cl.Message):
+                want[(rec.topic, rec.queue_id, rec.queue_offset)] += 1
+    t = DeltaTable(str(m.state_dir / "objects" / "tables" / "messages")).to_pyarrow_table(
+        columns=["topic", "queue_id", "queue_offset", "segment"])
+    got = Counter(zip(*(t.column(c).to_pylist() for c in ("topic", "queue_id", "queue_offset"))))
+    assert got == want and max(want.values()) == 1 and set(t.column("segment").to_pylist()) == set(commitlogs)
+
+
 def test_compact_then_every_byte_and_key_reads_back(mount_store, reference_store):
     ref = reference_store
     m = tiered_store(mount_store, ref)
@@ -90,6 +106,7 @@ def test_compact_then_every_byte_and_key_reads_back(mount_store, reference_store
     assert all(len(files[f["path"]]["objects"]) == 1 and files[f["path"]]["objects"][0].endswith(".lz4c")
                for f in tiered)
     check_mount_reads(m, ref)
+    check_archive_table(m, ref, [f["path"] for f in tiered if f["kind"] == "commitlog"])
     # the raw objects are gone after the grace period (0 here); lz4c objects remain
     objects = m.state_dir / "objects"
     wait_for(lambda: not any(p.name.endswith(".raw") for p in files_under(objects)), timeout=30,

@@ -266,9 +266,16 @@ SCHEMA: tuple[Key, ...] = (
     Key("objectstore.posix_shared", "bool", False,
         "The file:// object store is shared storage every Spark executor sees at the same path (NFS). "
         "Without it, a file:// store is refused for a non-local spark.master."),
+    Key("archive.format", "choice", "delta",
+        "How the archive stage keeps messages: delta (one Delta Lake table, <objectstore.url>/tables/messages, "
+        "partitioned by topic and date, each segment generation committed exactly once) or parquet (plain files "
+        "per segment under <store-id>/archive/, for readers without a table engine).", choices=("delta", "parquet")),
+    Key("archive.broker_name", "str", "",
+        "The broker column of the archive table's rows (the brokerName of this store's broker group). "
+        "Empty: the store id."),
     Key("archive.retention", "str", "",
-        "Per-topic retention of the Parquet archive: TOPIC=DAYS,...,*=DAYS (days after the message date). "
-        "Empty: keep forever."),
+        "Per-topic retention of the archive (archive.format = parquet): TOPIC=DAYS,...,*=DAYS (days after the "
+        "message date). Empty: keep forever."),
     Key("spark.master", "str", "local[*]",
         "Spark master for pipeline jobs. Any other spark.* key is passed through to the SparkSession."),
     # --- metrics -------------------------------------------------------------------------------------

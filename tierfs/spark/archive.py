@@ -2,6 +2,10 @@
 
     <store-id>/archive/topic=<t>/date=<YYYY-MM-DD>/part-<segment file name>-g<generation>.parquet
 
+With archive.format = "delta" (the default) the same writer makes the data files of the archive table instead
+(archive_segment_table: four more columns, microsecond timestamps, under tables/messages/), which the driver
+commits (tierfs.spark.table).
+
 Runs inside Spark executors (`archive_segment`) and on the driver (`sweep`: retention and superseded
 generations). Files are named after their source segment so a re-run overwrites instead of duplicating; every
 file of a segment is written locally first and uploaded only after the whole segment decoded cleanly, so a
@@ -36,7 +40,8 @@ from tierfs.tier import layout
 __all__ = [
     "ArchiveError", "SCHEMA_FIELDS", "arrow_schema", "archive_prefix", "archive_key", "parse_archive_key", "part_name",
     "escape_partition_value", "unescape_partition_value", "iter_messages", "retention_days", "is_expired",
-    "archive_segment", "sweep",
+    "archive_segment", "sweep", "TABLE_FIELDS", "safe_name", "table_file", "parse_table_file",
+    "archive_segment_table",
 ]
 
 DAY_MS = 86_400_000
@@ -61,15 +66,20 @@ SCHEMA_FIELDS = (
 )
 
 
-def arrow_schema():
-    """The Parquet schema (pyarrow is imported here so the driver does not need it)."""
+# Columns a table file adds after SCHEMA_FIELDS (archive.format "delta"): the same value in every row of a file.
+TABLE_FIELDS = (("broker", "string"), ("store_id", "string"), ("segment", "string"), ("segment_generation", "int64"))
+
+
+def arrow_schema(table: bool = False):
+    """The Parquet schema (pyarrow is imported here so the driver does not need it). *table*: the files of the
+    table format, with TABLE_FIELDS and microsecond timestamps (Delta's timestamp type)."""
     import pyarrow as pa
 
-    ts = pa.timestamp("ms", tz="UTC")
+    ts = pa.timestamp("us" if table else "ms", tz="UTC")
     types = {"string": pa.string(), "int32": pa.int32(), "int64": pa.int64(), "timestamp[ms, UTC]": ts,
              "list<string>": pa.list_(pa.string()), "map<string, string>": pa.map_(pa.string(), pa.string()),
              "binary": pa.binary()}
-    return pa.schema([pa.field(n, types[t]) for n, t in SCHEMA_FIELDS])
+    return pa.schema([pa.field(n, types[t]) for n, t in SCHEMA_FIELDS + (TABLE_FIELDS if table else ())])
 
 
 # ---------------------------------------------------------------------------------------------------- keys
@@ -186,7 +196,6 @@ def _host_text(h: cl.Host) -> tuple[str, str]:
     return text, (bytes(ip) + struct.pack(">i", port)).hex().upper()
 
 
-_COLS = tuple(n for n, _ in SCHEMA_FIELDS)
 _ALL = object()  # _Writer.add: write every group
 _EXPIRED = object()  # the group of a (topic, date) that retention already expired: rows are counted, not kept
 _HEX = np.frombuffer(b"0123456789ABCDEF", np.uint8)
@@ -213,12 +222,14 @@ class _Writer:
     Arrow compute. Row groups end where a record-by-record writer would end them: a group is written once it
     buffers ROW_GROUP_BYTES of records (TOTALSIZE), else every group once all together buffer BUFFER_BYTES."""
 
-    def __init__(self, tmpdir: str):
+    def __init__(self, tmpdir: str, constants: Mapping[str, object] | None = None):
+        """*constants*: the TABLE_FIELDS values of every row (table files), or None (plain archive files)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         self._pa, self._pc = pa, pc
-        self.schema = arrow_schema()
+        self.schema = arrow_schema(table=constants is not None)
+        self.constants = dict(constants or {})
         self.tmpdir = tmpdir
         self.groups: dict[tuple[bytes, int], _Group | object] = {}
         self.buffered = 0
@@ -350,7 +361,7 @@ class _Writer:
     def _table(self, b: Batch, mv: memoryview):
         """The batch's columns in file order, with raw PROPERTIES in place of keys/tags/properties."""
         pa, pc = self._pa, self._pc
-        ts = self.schema.field("store_timestamp").type
+        ts = pa.timestamp("ms", tz="UTC")  # STORETIMESTAMP, BORNTIMESTAMP: ms (table files: cast to us in _flush)
         born, born_i = self._hosts(mv, b.born_at, b.born_len)
         store, store_i = self._hosts(mv, b.store_at, b.store_len)
         born_text = pc.take(pa.array([h[0] for h in born], pa.string()), pa.array(born_i))
@@ -433,7 +444,12 @@ class _Writer:
         t = pa.concat_tables(g.pieces).combine_chunks()
         cols = {n: t.column(n).chunk(0) for n in t.column_names}
         cols["properties"], cols["keys"], cols["tags"] = self._property_columns(cols.pop("props_raw"))
-        table = pa.Table.from_arrays([cols[n] for n in _COLS], schema=self.schema)
+        n = t.num_rows
+        for name, value in self.constants.items():
+            cols[name] = pa.repeat(pa.scalar(value, self.schema.field(name).type), n)
+        for name in ("store_timestamp", "born_timestamp"):
+            cols[name] = cols[name].cast(self.schema.field(name).type)
+        table = pa.Table.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
         if g.writer is None:
             import pyarrow.parquet as pq
 
@@ -461,22 +477,22 @@ class _Writer:
 # ---------------------------------------------------------------------------------------------------- executor task
 
 
-def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Mapping[str, float],
-                    today: _dt.date, read: Callable[[ObjectStore, dict], Iterable[bytes]] | None = None) -> dict:
-    """Archive one tiered CommitLog segment; returns its archive[] result row.
+def _default_read(store: ObjectStore, seg: dict) -> Iterable[bytes]:
+    """tasks.read_segment (raw chunks or lz4c, crc-checked); the walk copies each block as it arrives, so reads
+    may reuse their buffers."""
+    from tierfs.spark.tasks import read_segment
 
-    Rows of partitions that retention already expired are skipped (counted in `expired_rows`), so the sweep
-    does not delete what was just written. `read` defaults to tasks.read_segment (raw chunks or lz4c, crc-checked).
-    Records are never decoded one by one: the walk (tierfs.spark.walk.batches) hands over batches of records as
-    arrays, and each becomes Arrow columns.
-    """
-    if read is None:  # the walk copies each block as it arrives: reads may reuse their buffers
-        from tierfs.spark.tasks import read_segment
+    return read_segment(store, seg, transient=True)
 
-        def read(store: ObjectStore, seg: dict) -> Iterable[bytes]:
-            return read_segment(store, seg, transient=True)
-    path, gen, size = seg["path"], int(seg["generation"]), int(seg["size"])
-    name = path.rsplit("/", 1)[-1]
+
+@contextlib.contextmanager
+def _decoded(store: ObjectStore, seg: dict, retention: Mapping[str, float], today: _dt.date,
+             read: Callable[[ObjectStore, dict], Iterable[bytes]] | None, constants: Mapping[str, object] | None
+             ) -> Iterator[tuple[_Writer, list[_Group], Callable[[], int]]]:
+    """Decode a whole segment into local Parquet files (one per topic and date) in a temporary directory that
+    lives as long as the context: (writer, its finished groups, bytes read so far)."""
+    read = read or _default_read
+    name, size = seg["path"].rsplit("/", 1)[-1], int(seg["size"])
     consumed = 0
 
     def counted(blocks: Iterable[bytes]) -> Iterator[bytes]:
@@ -486,7 +502,7 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             yield b
 
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-") as tmp:
-        w = _Writer(tmp)
+        w = _Writer(tmp, constants)
         try:
             for batch in batches(counted(read(store, seg)), name, size):
                 w.add(batch, retention, today)
@@ -494,6 +510,20 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
         except BaseException:
             w.abort()
             raise
+        yield w, done, lambda: consumed
+
+
+def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Mapping[str, float],
+                    today: _dt.date, read: Callable[[ObjectStore, dict], Iterable[bytes]] | None = None) -> dict:
+    """Archive one tiered CommitLog segment; returns its archive[] result row.
+
+    Rows of partitions that retention already expired are skipped (counted in `expired_rows`), so the sweep
+    does not delete what was just written. `read` defaults to tasks.read_segment (raw chunks or lz4c, crc-checked).
+    Records are never decoded one by one: the walk (tierfs.spark.walk.batches) hands over batches of records as
+    arrays, and each becomes Arrow columns.
+    """
+    path, gen = seg["path"], int(seg["generation"])
+    with _decoded(store, seg, retention, today, read, None) as (w, done, consumed):
         keys, nbytes, rows = [], 0, 0
         for g in done:
             key = archive_key(store_id, g.topic, g.date, part_name(path), gen)
@@ -501,8 +531,57 @@ def archive_segment(store: ObjectStore, store_id: str, seg: dict, retention: Map
             keys.append(key)
             nbytes += info.size
             rows += g.count
-    return {"path": path, "generation": gen, "rows": rows, "keys": keys, "bytes": nbytes,
-            "expired_rows": w.expired_rows, "bytes_read": consumed}
+        return {"path": path, "generation": gen, "rows": rows, "keys": keys, "bytes": nbytes,
+                "expired_rows": w.expired_rows, "bytes_read": consumed()}
+
+
+# ---------------------------------------------------------------------------------------------------- table files
+
+_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def safe_name(text: str) -> str:
+    """An injective spelling of *text* in [A-Za-z0-9.-_]: any other byte of its UTF-8 becomes _XX. Table file
+    paths need no URI escaping (the Delta log stores paths as URIs; every reader then agrees on them)."""
+    return "".join(chr(b) if chr(b) in _SAFE else f"_{b:02X}" for b in text.encode("utf-8"))
+
+
+def table_file(store_id: str, path: str, generation: int, topic: str, date: str) -> str:
+    """A table data file's path below the table root: named by its store, segment and generation (a re-run
+    overwrites the same file, two stores never share one), in directories of its partition."""
+    return (f"topic={safe_name(topic)}/date={date}/"
+            f"part-{safe_name(store_id)}~{safe_name(part_name(path))}-g{generation}.parquet")
+
+
+_TABLE_FILE_RE = re.compile(r"(?:^|/)part-([A-Za-z0-9.\-_]+)~([A-Za-z0-9.\-_]+)-g(\d+)\.parquet$")
+
+
+def parse_table_file(rel: str) -> tuple[str, str, int] | None:
+    """(safe store id, safe segment name, generation) of a table file path, None for a file not written here."""
+    m = _TABLE_FILE_RE.search(rel)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def archive_segment_table(store: ObjectStore, store_id: str, seg: dict, table_prefix: str, broker: str,
+                          read: Callable[[ObjectStore, dict], Iterable[bytes]] | None = None) -> dict:
+    """Write one tiered CommitLog segment's rows as data files of the archive table (not yet committed: the
+    driver commits every segment of a job in one table transaction, tierfs.spark.table). Returns its archive[]
+    row with `files`: path below the table root, size, partition values, row count, stats of each file."""
+    path, gen = seg["path"], int(seg["generation"])
+    constants = {"broker": broker, "store_id": store_id, "segment": path, "segment_generation": gen}
+    with _decoded(store, seg, {}, _dt.date.today(), read, constants) as (w, done, consumed):
+        files, nbytes, rows = [], 0, 0
+        for g in done:
+            rel = table_file(store_id, path, gen, g.topic, g.date)
+            info = store.put_file(table_prefix + rel, g.path)
+            stats = {"numRecords": g.count, "minValues": {"segment_generation": gen},
+                     "maxValues": {"segment_generation": gen}, "nullCount": {}}
+            files.append({"path": rel, "size": info.size, "topic": g.topic, "date": g.date, "rows": g.count,
+                          "stats": stats})
+            nbytes += info.size
+            rows += g.count
+        return {"path": path, "generation": gen, "rows": rows, "keys": [], "files": files, "bytes": nbytes,
+                "expired_rows": 0, "bytes_read": consumed()}
 
 
 # ---------------------------------------------------------------------------------------------------- driver sweep

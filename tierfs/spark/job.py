@@ -41,6 +41,7 @@ LOG4J = "spark-log4j2.properties"
 SHARED_HINT = ("the posix object store is not visible to cluster executors; set objectstore.posix_shared=true if it "
                "is on shared storage")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+ARCHIVE_FORMATS = ("parquet", "delta")
 
 _LOG4J_TEXT = """\
 # Written by tierfs.spark: Spark logs warnings and errors only, on stderr.
@@ -77,6 +78,8 @@ class JobInput:
     retention: dict[str, float]
     today: _dt.date
     posix_shared: bool = False
+    archive_format: str = "parquet"       # "parquet" (files per segment) | "delta" (the archive table)
+    broker: str = ""                      # the broker column of the archive table ("" -> the store id)
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -186,10 +189,18 @@ def parse_input(doc: dict, job_dir: Path, where: str) -> JobInput:
     posix_shared = doc.get("posix_shared", False)
     if not isinstance(posix_shared, bool):
         raise InputError(f"{where}: 'posix_shared' must be true or false")
+    archive_format = doc.get("archive_format", "parquet")  # absent: what jobs wrote before the table existed
+    if archive_format not in ARCHIVE_FORMATS:
+        raise InputError(f"{where}: 'archive_format' must be one of {', '.join(ARCHIVE_FORMATS)}, not "
+                         f"{json.dumps(archive_format)[:80]}")
+    broker = doc.get("broker", "")
+    if not isinstance(broker, str):
+        raise InputError(f"{where}: 'broker' must be a string (the broker name of the archive table's rows)")
     inp = JobInput(job_dir=job_dir, job_id=job_id, stages=[s for s in STAGES if s in stages],
                    store={"url": url.strip(), "options": dict(options)}, store_id=store_id, spark=spark, items=items,
                    max_hash_slot_num=limits["max_hash_slot_num"], max_index_num=limits["max_index_num"],
-                   retention=retention, today=today, posix_shared=posix_shared, raw=doc)
+                   retention=retention, today=today, posix_shared=posix_shared, archive_format=archive_format,
+                   broker=broker.strip() or store_id, raw=doc)
     if inp.store["url"].lower().startswith("file:") and not is_local_master(inp.master) and not posix_shared:
         raise InputError(f"{where}: store {inp.store['url']!r} with spark.master {inp.master!r}: {SHARED_HINT}")
     return inp
@@ -240,6 +251,8 @@ class StageParams:
     max_index_num: int
     retention: dict
     today: str
+    archive_format: str = "parquet"
+    broker: str = ""
 
 
 def run_item(p: StageParams, seg: dict) -> dict:
@@ -258,6 +271,12 @@ def run_item(p: StageParams, seg: dict) -> dict:
 
             row = build_index_sidecar(store, p.store_id, seg, p.max_hash_slot_num, p.max_index_num)
             bytes_in, bytes_out = int(seg["size"]), int(row.get("bytes", 0))
+        elif p.archive_format == "delta":
+            from tierfs.spark.archive import archive_segment_table
+            from tierfs.spark.table import TABLE_PREFIX
+
+            row = archive_segment_table(store, p.store_id, seg, TABLE_PREFIX, p.broker)
+            bytes_in, bytes_out = int(row.pop("bytes_read")), int(row["bytes"])
         else:
             from tierfs.spark.archive import archive_segment
 
@@ -494,7 +513,8 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
     lease = last_holder(inp.job_dir.parent.parent, inp.store_id)  # the daemon's (jobs are in its state dir)
     for stage in inp.stages:
         params = StageParams(stage, inp.store, inp.store_id, inp.max_hash_slot_num, inp.max_index_num,
-                             inp.retention, inp.today.isoformat())
+                             inp.retention, inp.today.isoformat(), inp.archive_format, inp.broker)
+        table = stage == "archive" and inp.archive_format == "delta"
         progress.write({"stage": stage, "total": len(inp.items[stage])})
         good: list[dict] = []
         for seg in inp.items[stage]:
@@ -507,19 +527,65 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
                 progress.write({"stage": stage, "path": path, "ok": False, "bytes_in": 0, "bytes_out": 0,
                                 "error": why})
 
+        pending: list[dict] = []  # table rows: in the result once their commit succeeded
+
         def on_item(seg: dict, outcome: dict, stage: str = stage) -> None:
             if outcome["ok"]:
-                result[RESULT_KEY[stage]].append(outcome["row"])
+                (pending if table else result[RESULT_KEY[stage]]).append(outcome["row"])
             else:
                 result["errors"].append({"stage": stage, "path": seg["path"], "error": outcome["error"]})
 
+        if table:
+            good = _not_yet_in_table(inp, good, result)
         report = run_stage(sc, stage, good, params, progress, on_item)
-        if stage == "archive":
+        if table:
+            _commit_table(inp, pending, result)
+        elif stage == "archive":
             _sweep(inp, result, lease)
         result["stages"][stage] = vars(report)
     result["ok"] = not result["errors"]
     result["seconds"] = round(time.monotonic() - t0, 3)
     return result
+
+
+def _not_yet_in_table(inp: JobInput, segs: list[dict], result: dict) -> list[dict]:
+    """The segments whose generation the archive table does not hold yet. Those it holds (a job killed after its
+    commit, before its result) are archive[] rows again, marked `committed_before`, and are not written twice."""
+    from tierfs.spark.table import TableSpec, committed
+
+    spec = TableSpec.of_store(inp.store["url"], inp.store["options"])
+    try:
+        have = committed(spec, inp.store_id, [int(seg["generation"]) for seg in segs])
+    except Exception as e:  # noqa: BLE001 - an unreadable table: every segment is an error, nothing is written
+        for seg in segs:
+            result["errors"].append({"stage": "archive", "path": seg["path"],
+                                     "error": f"archive table {spec.uri} cannot be read: {type(e).__name__}: {e}"})
+        return []
+    for seg in segs:
+        if int(seg["generation"]) in have:
+            result["archive"].append({"path": seg["path"], "generation": int(seg["generation"]), "rows": 0,
+                                      "keys": [], "bytes": 0, "expired_rows": 0, "committed_before": True})
+    return [seg for seg in segs if int(seg["generation"]) not in have]
+
+
+def _commit_table(inp: JobInput, rows: list[dict], result: dict) -> None:
+    """One table transaction for every segment archived by this job (tierfs.spark.table.commit). A failed commit
+    makes each of its segments an error (the daemon retries them; their written files are not in the table)."""
+    from tierfs.spark.table import TableSpec, commit
+
+    if not rows:
+        return
+    failpoints.hit("archive.table.before_commit")  # tests: "kill" between writing the files and the commit
+    try:
+        version = commit(TableSpec.of_store(inp.store["url"], inp.store["options"]), inp.store_id, rows)
+    except Exception as e:  # noqa: BLE001 - reported per segment
+        for row in rows:
+            result["errors"].append({"stage": "archive", "path": row["path"],
+                                     "error": f"archive table commit failed: {type(e).__name__}: {e}"})
+        return
+    failpoints.hit("archive.table.after_commit")  # tests: "kill" between the commit and the result
+    for row in rows:
+        result["archive"].append(dict(row, table_version=version))
 
 
 def _sweep(inp: JobInput, result: dict, lease: dict | None) -> None:

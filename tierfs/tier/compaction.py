@@ -250,6 +250,8 @@ class Compactor:
             "store": {"url": eng.store_url(), "options": eng.store_options()},
             "store_id": eng.store_id,
             "posix_shared": bool(self.config["objectstore.posix_shared"]),
+            "archive_format": self.config["archive.format"],
+            "broker": self.config["archive.broker_name"],
             "spark": conf,
             "segments": [seg_record(e) for e in tiered if "segments" in job.stages and e.format == "raw"],
             "indexes": [seg_record(e) for e in tiered if "index" in job.stages and e.kind == Kind.INDEX.value

@@ -1,0 +1,292 @@
+"""The archive as a Delta Lake table (archive.format = "delta"): exactly once, on a real local SparkSession.
+
+The store is the byte-accurate one of tests/test_spark_job.py (examples/producer.py, two topics, two queues each);
+its CommitLog segments are uploaded as raw chunk objects with distinct generations, as the engine's one sequence
+gives them. The job is killed (SIGKILL of the driver, a failpoint) between writing the data files and the commit,
+then between the commit and its result, and run again each time: the table must hold every message exactly once,
+(topic, queue, offset) by (topic, queue, offset), field by field against a decode of the native files, read by
+delta-rs and by DuckDB.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from test_spark_job import (REPO, SEED, STORE_ID, TOPIC_PREFIX, _group_alive, messages, native, sealed,  # noqa: F401
+                            upload, write_input)
+from sparkcluster import spark_cluster  # noqa: F401 (the fixture)
+from tierfs.objectstore import ObjectStore, open_store
+from tierfs.spark import archive as ar
+from tierfs.spark import table as tb
+from tierfs.store import commitlog as cl
+
+sys.path.insert(0, str(REPO / "examples"))
+from producer import body_pool, expected_body, parse_seq  # noqa: E402
+
+GEN0 = 1000  # generations of the uploaded segments: GEN0, GEN0 + 1, ...
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+
+
+def test_table_file_names_are_safe_and_parse_back():
+    for topic in ("%RETRY%Grp0", "a/b", "T_1", "tōpic", ""):
+        rel = ar.table_file("s 1", "slave/commitlog/00000000001073741824", 7, topic, "2026-01-02")
+        assert all(c.isalnum() or c in "=/.-_~" for c in rel), rel
+        assert rel.startswith(f"topic={ar.safe_name(topic)}/date=2026-01-02/")
+        assert ar.parse_table_file(rel) == (ar.safe_name("s 1"), ar.safe_name("slave~00000000001073741824"), 7)
+    assert ar.safe_name("a_b") != ar.safe_name("a/b") and ar.safe_name("a_2Fb") != ar.safe_name("a/b")
+    assert ar.parse_table_file("topic=x/date=2026-01-01/other.parquet") is None
+
+
+def test_only_older_generations_of_the_same_segment_are_superseded():
+    seg = "commitlog/00000000000000000000"
+    paths = [ar.table_file("s1", seg, g, "T", "2026-01-01") for g in (3, 5, 9)]
+    paths += [ar.table_file("s2", seg, 3, "T", "2026-01-01"), ar.table_file("s1", "commitlog/1", 3, "T", "2026-01-01")]
+    assert tb.superseded(paths, "s1", [{"path": seg, "generation": 5}]) == [paths[0]]
+
+
+# ---------------------------------------------------------------------------------------------- a Spark job
+
+
+def _job(job_dir: Path, failpoints: str = "") -> subprocess.CompletedProcess:
+    """Run the job in its own process group; after a kill, wait for the group (the driver's JVM) to go."""
+    env = {k: v for k, v in os.environ.items() if k != "TIERFS_FAILPOINTS"}
+    if failpoints:
+        env["TIERFS_FAILPOINTS"] = failpoints
+    proc = subprocess.Popen([sys.executable, "-m", "tierfs.spark", "--job-dir", str(job_dir)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if proc.returncode != 0:  # killed: the JVM notices its driver is gone (stdin EOF) and exits
+        import time
+
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def table_rows(uri: str, columns: list[str] | None = None):
+    from deltalake import DeltaTable
+
+    return DeltaTable(uri).to_pyarrow_table(columns=columns)
+
+
+def check_rows(native: Path, rels: list[str], uri: str) -> int:
+    """Every message of these segments is in the table exactly once, field by field; returns the row count."""
+    want = messages(native, rels)
+    rows = table_rows(uri).to_pylist()
+    ids = Counter((r["topic"], r["queue_id"], r["queue_offset"]) for r in rows)
+    assert max(ids.values()) == 1, [k for k, n in ids.items() if n > 1][:5]
+    assert len(rows) == len(want) and {r["phys_offset"] for r in rows} == set(want)
+    assert set(ids) == {(m.topic, m.queue_id, m.queue_offset) for m in want.values()}
+    pool = body_pool(SEED)
+    gens = {rel: GEN0 + i for i, rel in enumerate(sorted(rels))}
+    for r in rows:
+        m = want[r["phys_offset"]]
+        store_ts = dt.datetime.fromtimestamp(m.store_timestamp / 1000, dt.timezone.utc)
+        assert r["topic"] == m.topic and r["topic"].startswith(TOPIC_PREFIX)
+        assert r["date"] == store_ts.date() and r["store_timestamp"] == store_ts
+        assert r["born_timestamp"] == dt.datetime.fromtimestamp(m.born_timestamp / 1000, dt.timezone.utc)
+        assert (r["queue_id"], r["queue_offset"]) == (m.queue_id, m.queue_offset)
+        assert r["keys"] == m.keys and r["tags"] == m.tags and dict(r["properties"]) == m.properties
+        assert r["body"] == m.body == expected_body(parse_seq(m.keys[0]), SEED, len(m.body), pool)
+        assert r["msg_id"] == cl.message_id(m.store_host, m.physical_offset)
+        seg = f"commitlog/{m.physical_offset // (1 << 20) * (1 << 20):020d}"
+        assert (r["broker"], r["store_id"], r["segment"]) == ("broker-a", STORE_ID, seg)
+        assert r["segment_generation"] == gens[seg]
+    return len(rows)
+
+
+def test_table_exactly_once_across_kills_then_duckdb_reads_it(native, tmp_path):
+    from deltalake import DeltaTable
+
+    objects = tmp_path / "objects"
+    store: ObjectStore = open_store(f"file://{objects}")
+    rels = sorted(sealed(native)["commitlog"])
+    assert len(rels) >= 5
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    uri = f"file://{objects}/tables/messages"
+    spec = {"url": f"file://{objects}", "options": {}}
+
+    def job(name: str, items: list[dict], failpoints: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=items, archive_format="delta", broker="broker-a")
+        return _job(d, failpoints), d
+
+    # 1. killed after every data file is written, before the commit: nothing is in the table
+    r, d = job("kill-before", segs, "archive.table.before_commit=kill")
+    assert r.returncode == -signal.SIGKILL and not (d / "result.json").exists(), r.stderr[-2000:]
+    files = [p for p in (objects / "tables/messages").rglob("*.parquet")]
+    assert len(files) >= len(segs)  # written ...
+    assert not (objects / "tables/messages/_delta_log").exists()  # ... and not committed
+
+    # 2. the re-run commits, and is killed before its result: the daemon would run it again
+    r, d = job("kill-after", segs, "archive.table.after_commit=kill")
+    assert r.returncode == -signal.SIGKILL and not (d / "result.json").exists(), r.stderr[-2000:]
+    assert DeltaTable(uri).version() == 0
+    n = check_rows(native, rels, uri)
+
+    # 3. the next run finds every generation committed: no file written, no commit, every segment reported
+    r, d = job("rerun", segs)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((d / "result.json").read_text())
+    assert result["ok"] and sorted(x["path"] for x in result["archive"]) == rels
+    assert all(x["committed_before"] and x["keys"] == [] for x in result["archive"])
+    assert DeltaTable(uri).version() == 0 and check_rows(native, rels, uri) == n
+
+    # 4. a segment compacted to lz4c keeps its generation: not archived again. A new generation of a segment
+    # (its content written again) replaces the old generation's files in one commit, never adds to them.
+    from tierfs.spark.tasks import compact_segment
+
+    lz = compact_segment(store, STORE_ID, segs[0])
+    lz4c_seg = dict(segs[0], format="lz4c", objects=[lz["key"]])
+    regen = upload(store, native, rels[1], GEN0 + 100)
+    r, d = job("regen", [lz4c_seg, regen])
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((d / "result.json").read_text())
+    assert result["ok"], result["errors"]
+    by_path = {x["path"]: x for x in result["archive"]}
+    assert by_path[rels[0]].get("committed_before") and by_path[rels[1]]["table_version"] == 1
+    assert by_path[rels[1]]["rows"] == sum(f["rows"] for f in by_path[rels[1]]["files"]) > 0
+    t = table_rows(uri, ["segment", "segment_generation", "topic", "queue_id", "queue_offset"])
+    assert t.num_rows == n
+    gens = Counter(zip(t.column("segment").to_pylist(), t.column("segment_generation").to_pylist()))
+    assert (rels[1], GEN0 + 1) not in gens and gens[(rels[1], GEN0 + 100)] == by_path[rels[1]]["rows"]
+
+    # 5. DuckDB reads the same rows (through delta-rs' Arrow dataset: its delta extension is a download)
+    import duckdb
+
+    messages_ds = DeltaTable(uri).to_pyarrow_dataset()  # noqa: F841 - DuckDB finds it by name
+    con = duckdb.connect()
+    got = con.execute("SELECT count(*), count(DISTINCT (topic, queue_id, queue_offset)), count(DISTINCT topic) "
+                      "FROM messages_ds").fetchall()[0]
+    assert got == (n, n, 2)
+    want = Counter(m.topic for m in messages(native, rels).values())
+    topic = sorted(want)[0]
+    got = con.execute("SELECT count(*), min(queue_offset) FROM messages_ds WHERE topic = ?", [topic]).fetchall()[0]
+    assert got == (want[topic], 0)
+    con.close()
+
+
+def test_bad_archive_format_in_the_input_is_refused(tmp_path):
+    d = tmp_path / "bad"
+    write_input(d, {"url": f"file://{tmp_path}/o", "options": {}}, stages=["archive"], archive_format="iceberg")
+    r = subprocess.run([sys.executable, "-m", "tierfs.spark", "--job-dir", str(d)], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "'archive_format' must be one of parquet, delta" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["iceberg", "Parquet2"])
+def test_archive_format_config_names_the_key_and_the_choices(value):
+    from tierfs.config import SCHEMA, ConfigError
+
+    key = next(k for k in SCHEMA if k.name == "archive.format")
+    with pytest.raises(ConfigError, match="config key 'archive.format'.*allowed: one of delta, parquet"):
+        key.parse(value)
+
+
+def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw):
+    """The same table on S3 (Ceph RGW): commits are put-if-absent log objects; a re-run adds nothing; delta-rs and
+    DuckDB read it from the bucket."""
+    from deltalake import DeltaTable
+
+    bucket = rgw.make_bucket("archive-table")
+    spec = {"url": f"s3://{bucket}/t", "options": {"endpoint_url": rgw.endpoint_url, "access_key": rgw.access_key,
+                                                     "secret_key": rgw.secret_key, "region": rgw.region,
+                                                     "addressing": "path", "max_attempts": 2}}
+    store = open_store(spec["url"], **spec["options"])
+    rels = sorted(sealed(native)["commitlog"])
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    table = tb.TableSpec.of_store(spec["url"], spec["options"])
+    for name, failpoints in (("kill-after", "archive.table.after_commit=kill"), ("rerun", "")):
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=segs, archive_format="delta", broker="broker-a")
+        r = _job(d, failpoints)
+        assert r.returncode == (-signal.SIGKILL if failpoints else 0), r.stderr[-3000:]
+    result = json.loads((tmp_path / "rerun" / "result.json").read_text())
+    assert result["ok"] and all(x["committed_before"] for x in result["archive"])
+    dt_ = DeltaTable(table.uri, storage_options=table.storage_options)
+    assert dt_.version() == 0
+    t = dt_.to_pyarrow_table(columns=["topic", "queue_id", "queue_offset", "phys_offset"])
+    want = messages(native, rels)
+    assert t.num_rows == len(want) and set(t.column("phys_offset").to_pylist()) == set(want)
+    import duckdb
+
+    messages_ds = dt_.to_pyarrow_dataset()  # noqa: F841 - DuckDB finds it by name
+    got = duckdb.connect().execute("SELECT count(DISTINCT (topic, queue_id, queue_offset)) FROM messages_ds")
+    assert got.fetchall()[0][0] == len(want)
+    assert rgw.secret_key not in (tmp_path / "rerun" / "result.json").read_text()
+    # what two stores committing at once rely on: the log's next commit is created only if absent
+    from botocore.exceptions import ClientError
+
+    c = rgw.client()
+    key = f"t/{tb.TABLE_PREFIX}_delta_log/{0:020d}.json"
+    with pytest.raises(ClientError, match="PreconditionFailed"):
+        c.put_object(Bucket=bucket, Key=key, Body=b"{}", IfNoneMatch="*")
+    two = DeltaTable(table.uri, storage_options=table.storage_options)
+    assert two.version() == 0 and two.transaction_version(tb.app_id(STORE_ID, GEN0)) == GEN0
+
+
+def test_table_on_a_standalone_cluster_killed_mid_commit(native, tmp_path, spark_cluster):
+    """Executors of a real standalone cluster (whose Python has no tierfs) write the data files of a multi-topic
+    store; the driver is killed before its commit, then after it; the re-run finds everything committed once."""
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    rels = sorted(sealed(native)["commitlog"])
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    spec = {"url": f"file://{objects}", "options": {}}
+    uri = f"file://{objects}/tables/messages"
+    for name, failpoints in (("kill-before", "archive.table.before_commit=kill"),
+                             ("kill-after", "archive.table.after_commit=kill"), ("rerun", "")):
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=segs, archive_format="delta", broker="broker-a",
+                    posix_shared=True, spark=spark_cluster.conf())
+        r = _job(d, failpoints)
+        assert r.returncode == (-signal.SIGKILL if failpoints else 0), r.stderr[-3000:]
+        if name == "kill-before":
+            assert list((objects / "tables/messages").rglob("*.parquet"))
+            assert not (objects / "tables/messages/_delta_log").exists()
+    result = json.loads((tmp_path / "rerun" / "result.json").read_text())
+    assert result["ok"] and all(x["committed_before"] for x in result["archive"])
+    assert list(spark_cluster.root.glob("worker*/app-*/*/tierfs-package.zip"))  # the executors had no tierfs
+    check_rows(native, rels, uri)
+
+
+def test_an_unreadable_table_fails_each_segment_not_the_job(native, tmp_path):
+    """A damaged log (here: a commit that is not JSON) makes every segment an error naming the table; nothing is
+    written, and the job still gives its result."""
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    rels = sorted(sealed(native)["commitlog"])[:2]
+    segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    log = objects / "tables/messages/_delta_log"
+    log.mkdir(parents=True)
+    (log / f"{0:020d}.json").write_text("not json\n")
+    d = tmp_path / "job"
+    write_input(d, {"url": f"file://{objects}", "options": {}}, stages=["archive"], commitlogs=segs,
+                archive_format="delta")
+    r = _job(d)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((d / "result.json").read_text())
+    assert not result["ok"] and result["archive"] == []
+    assert sorted(e["path"] for e in result["errors"]) == rels
+    assert all(f"archive table file://{objects}/tables/messages cannot be read" in e["error"]
+               for e in result["errors"]), result["errors"]
+    assert not list((objects / "tables/messages").rglob("*.parquet"))
