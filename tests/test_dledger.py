@@ -1,0 +1,292 @@
+"""A broker with a DLedger CommitLog (`enableDLegerCommitLog=true`, Apache RocketMQ 4.9.7 from Maven Central).
+
+The codec (tierfs.store.dledger) is checked against the files a real broker wrote on a plain directory: every
+entry, blank and index unit, and every message body by content. Then the broker runs on a tierfs mount: its
+sealed DLedger data files are tiered, evicted, and every acknowledged message is read back from them by content.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+
+import brokerutil as B
+from mountutil import requires_fuse, wait_for
+from test_broker import BODY, Env, assert_all_read
+from tierfs.store import commitlog, dledger
+from tierfs.store.paths import Kind, classify, split_root
+from tierfs.store.seal import is_sealed
+
+VERSION = "4.9.7"
+TOPICS = "TA,TB"
+QUEUES = 2
+CODEC_N = 20_000
+SEG = 1 << 20  # mappedFileSizeCommitLog: DLedger's data file size
+
+
+def dledger_conf(rmq: B.RocketMQ, store: Path, self_id: str = "n0", peers: str = "", **more: object) -> dict:
+    """broker.conf of a DLedger group member: the data files are `mappedFileSizeCommitLog` bytes."""
+    if not peers:
+        peers = f"{self_id}-127.0.0.1:{dledger_port([rmq])}"
+    return rmq.broker_conf(store, enableDLegerCommitLog="true", dLegerGroup=B.BROKER_NAME, dLegerPeers=peers,
+                           dLegerSelfId=self_id, mappedFileSizeCommitLog=SEG, **more)
+
+
+def dledger_port(rmqs: list[B.RocketMQ], taken: tuple[int, ...] = ()) -> int:
+    """A free port for a DLedger member, none of the brokers' ports (a 4.9 broker also binds listenPort - 2)."""
+    busy = set(taken)
+    for r in rmqs:
+        busy |= {r.ns_port, r.port, r.port - 2, r.ha_port}
+    while True:
+        port = B.free_ports(1)[0]
+        if not busy & {port, port - 2}:
+            return port
+
+
+def body_of(seq: int, size: int = BODY) -> bytes:
+    """BrokerClient.body: the message body is a pure function of its sequence number."""
+    unit = b"m%012d|" % seq
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """A DLedger store a real broker wrote (20,000 messages, 1 MiB data files) and stopped gracefully."""
+    base = tmp_path_factory.mktemp("dledger-codec")
+    rmq = B.RocketMQ(VERSION, base / "home")
+    try:
+        rmq.start_namesrv()
+        rmq.start_broker(dledger_conf(rmq, base / "store"))
+        rmq.client("topics", rmq.ns_addr, rmq.broker_addr, QUEUES, *TOPICS.split(","))
+        res = rmq.client("produce", rmq.ns_addr, B.BROKER_NAME, TOPICS, QUEUES, 0, CODEC_N, BODY, 16,
+                         base / "acked")
+        assert res["acked"] == CODEC_N, res
+        rmq.stop_broker()  # graceful: its shutdown flushes and writes the checkpoint
+    finally:
+        rmq.close()
+    yield base / "store"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.name.isdigit())
+
+
+def test_layout_of_a_real_store(written: Path):
+    """The tree: dledger-n0/{data,index}/<20-digit offsets>, checkpoint and currterm beside them, no commitlog/."""
+    ledger = written / "dledger-n0"
+    data, index = _files(ledger / "data"), _files(ledger / "index")
+    assert len(data) >= 5 and len(index) == 1
+    assert all(p.stat().st_size == SEG and int(p.name) == i * SEG for i, p in enumerate(data))
+    assert index[0].stat().st_size == dledger.INDEX_FILE_SIZE
+    assert not (written / "commitlog").exists() or not any((written / "commitlog").iterdir())
+    assert "committedIndex=" in (ledger / "checkpoint").read_text()
+    for p in data:
+        assert classify(str(p.relative_to(written))) is Kind.DLEDGER_DATA
+        assert split_root(f"n0/{p.relative_to(written)}") == ("n0", str(p.relative_to(written)))
+    assert classify(str(index[0].relative_to(written))) is Kind.DLEDGER_INDEX
+    for name in ("checkpoint", "checkpoint.bak", "currterm"):
+        assert classify(f"dledger-n0/{name}") is Kind.MUTABLE
+
+
+def test_entries_blanks_and_bodies(written: Path):
+    """Every entry of every data file: consecutive Raft indexes from 0, pos = its global offset, a body that is
+    one whole RocketMQ record (crc checked) at PHYSICALOFFSET pos + 48 carrying the body that was sent; each
+    full file ends in a blank (magic -1, the remaining length, zeros), the last one does not."""
+    data = _files(written / "dledger-n0" / "data")
+    want_index = 0
+    seqs = set()
+    entries: dict[int, dledger.Entry] = {}
+    for i, p in enumerate(data):
+        buf = p.read_bytes()
+        start = int(p.name)
+        end = dledger.sealed_data_end(buf, len(buf), file_start=start)
+        if i < len(data) - 1:
+            assert end is not None and end > SEG - 1024, p
+            assert struct.unpack_from(">ii", buf, end) == (dledger.BLANK_MAGIC, SEG - end)
+            assert not buf[end + 8:].strip(b"\0")
+            assert is_sealed(Kind.DLEDGER_DATA, buf, len(buf)) == (True, f"blank at {end}")
+            assert dledger.sealed_data_end(buf, len(buf), file_start=start + SEG) is None
+        else:
+            assert end is None
+            assert is_sealed(Kind.DLEDGER_DATA, buf, len(buf)) == (False, "no valid terminal blank")
+        for pos, e in dledger.iter_entries(buf):
+            assert (e.magic, e.index, e.pos, e.term) == (dledger.MAGIC, want_index, start + pos, 0)
+            assert (e.channel, e.chain_crc, e.body_crc, e.body_len) == (0, 0, 0, e.size - dledger.BODY_OFFSET)
+            msg = commitlog.decode_record(buf, pos + dledger.BODY_OFFSET, check_crc=True)
+            assert isinstance(msg, commitlog.Message) and msg.total_size == e.body_len
+            assert msg.physical_offset == e.pos + dledger.BODY_OFFSET
+            seq = int(msg.body[1:13])
+            assert msg.body == body_of(seq)
+            seqs.add(seq)
+            entries[e.index] = e
+            want_index += 1
+    assert want_index == len(seqs) == CODEC_N
+
+
+def test_index_units_and_consumequeue(written: Path):
+    """Index unit i is (1, pos, size, i, term) of data entry i; a ConsumeQueue unit names an entry's body."""
+    ledger = written / "dledger-n0"
+    index = (ledger / "index" / ("0" * 20)).read_bytes()
+    data = b"".join(p.read_bytes() for p in _files(ledger / "data"))
+    for i in range(CODEC_N):
+        u = dledger.decode_index_unit(index, i * dledger.INDEX_UNIT_SIZE)
+        assert u is not None and u.index == i and u.magic == dledger.MAGIC
+        e = dledger.decode_entry(data, u.pos)
+        assert e is not None and (e.index, e.size, e.term) == (i, u.size, u.term)
+    assert dledger.decode_index_unit(index, CODEC_N * dledger.INDEX_UNIT_SIZE) is None
+    assert is_sealed(Kind.DLEDGER_INDEX, index, len(index)) == (False, "last unit not written")
+    cq = (written / "consumequeue" / "TA" / "0" / ("0" * 20)).read_bytes()
+    units = [u for u in struct.iter_unpack(">qiq", cq) if u[1] > 0]
+    assert len(units) == CODEC_N // 4
+    for phys, size, _ in units:
+        e = dledger.decode_entry(data, phys - dledger.BODY_OFFSET)
+        assert e is not None and e.pos + dledger.BODY_OFFSET == phys and e.body_len == size
+
+
+def test_index_seal_rule_on_real_units(written: Path):
+    """A full index file (here 1,000 real units) seals; one whose last unit is missing or from another log
+    does not."""
+    index = (written / "dledger-n0" / "index" / ("0" * 20)).read_bytes()
+    full = index[:1000 * dledger.INDEX_UNIT_SIZE]
+    assert dledger.index_sealed(full, len(full)) == (True, "index full")
+    assert is_sealed(Kind.DLEDGER_INDEX, full, len(full))[0]
+    torn = full[:-dledger.INDEX_UNIT_SIZE] + bytes(dledger.INDEX_UNIT_SIZE)
+    assert dledger.index_sealed(torn, len(torn)) == (False, "last unit not written")
+    skewed = full[:-dledger.INDEX_UNIT_SIZE] + index[2000 * 32:2001 * 32]
+    ok, why = dledger.index_sealed(skewed, len(skewed))
+    assert not ok and why.startswith("corrupt"), why
+    assert not dledger.index_sealed(full[:-1], len(full) - 1)[0]
+
+
+def test_data_seal_rule_refuses_damage(written: Path):
+    """A full data file with any header or body field out of place, or a short blank, does not seal."""
+    buf = bytearray((written / "dledger-n0" / "data" / ("0" * 20)).read_bytes())
+    end = dledger.sealed_data_end(buf, len(buf))
+    assert end is not None
+    entries = list(dledger.iter_entries(buf))
+    pos, e = entries[len(entries) // 2]
+    for off, value in ((8, e.index + 1), (16, e.term - 1), (24, e.pos + 1), (44, e.body_len - 1),
+                       (48 + commitlog.PHYSICAL_OFFSET_POSITION, e.pos)):
+        bad = bytearray(buf)
+        struct.pack_into(">q" if off in (8, 16, 24, 76) else ">i", bad, pos + off, value)
+        assert dledger.sealed_data_end(bad, len(bad)) is None, off
+        assert not is_sealed(Kind.DLEDGER_DATA, bad, len(bad))[0]
+    bad = bytearray(buf)
+    struct.pack_into(">i", bad, end + 4, SEG - end - 1)
+    assert dledger.sealed_data_end(bad, len(bad)) is None
+    bad = bytearray(buf)
+    struct.pack_into(">i", bad, 0, 0x12345678)
+    assert is_sealed(Kind.DLEDGER_DATA, bad, len(bad))[1].startswith("corrupt: unknown DLedger magic")
+    assert is_sealed(Kind.DLEDGER_DATA, bytes(SEG), SEG) == (False, "no valid terminal blank")
+    # the encoder agrees with the broker: the first entry and the blank, re-encoded, are its bytes
+    pos0, e0 = entries[0]
+    assert dledger.encode_entry(e0.index, e0.term, e0.pos, buf[48:e0.size]) == bytes(buf[:e0.size])
+    assert dledger.encode_blank(SEG - end) == bytes(buf[end:])
+
+
+# ---------------------------------------------------------------------------------------------- on a tierfs mount
+
+MOUNT_N = 80_000
+MOUNT_TOPICS = "TA,TB,TC,TD"
+MOUNT_QUEUES = 4
+
+
+def tiered_counts(env: Env, kind: str) -> tuple[int, int, int]:
+    """(tiered files of `kind`, those with evicted bytes, upload backlog) from status.json."""
+    st = env.status()
+    tiered = [f for f in st["files"] if f["kind"] == kind and f["state"] == "tiered"]
+    return (len(tiered), sum(f["resident_bytes"] < f["size"] for f in tiered),
+            st["totals"]["upload_backlog_files"])
+
+
+def wait_evicted(env: Env, kind: str, at_least: int, timeout: float = 180) -> tuple[int, int, int]:
+    """At least `at_least` segments of `kind` tiered, half of them evicted, no upload backlog; `tierfs evict`
+    presses when the backlog is empty (an operator's pass)."""
+    seen = [(0, 0, 0)]
+
+    def done() -> bool:
+        seen[0] = n, ev, backlog = tiered_counts(env, kind)
+        if n >= at_least and ev * 2 >= n and backlog == 0:
+            return True
+        if backlog == 0:
+            assert env.mount.cli("evict", env.mnt).returncode == 0
+        return False
+
+    try:
+        wait_for(done, timeout, 1.0, what=f"{at_least} {kind} segments tiered and mostly evicted")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: (tiered, evicted, backlog) = {seen[0]}") from None
+    return seen[0]
+
+
+def check_data_files_through_mount(root: Path, self_id: str = "n0") -> int:
+    """Read every full DLedger data file through the mount (evicted ones from the object store): each is a
+    valid sealed file at its offset, every body's crc checks, and the Raft indexes run on across files."""
+    files = _files(root / f"dledger-{self_id}" / "data")
+    prev = None
+    sealed = 0
+    for p in files[:-1]:
+        buf = p.read_bytes()
+        end = dledger.sealed_data_end(buf, len(buf), file_start=int(p.name))
+        assert end is not None, f"{p} read through the mount is not a sealed DLedger data file"
+        for pos, e in dledger.iter_entries(buf):
+            assert prev is None or e.index == prev + 1, (p, pos)
+            prev = e.index
+            assert commitlog.decode_record(buf, pos + dledger.BODY_OFFSET, check_crc=True) is not None
+        sealed += 1
+    return sealed
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    env = Env(VERSION, tmp_path)
+    try:
+        env.mount.mount()
+        env.rmq = B.RocketMQ(VERSION, tmp_path / "home")
+        env.rmq.start_namesrv()
+        yield env
+    finally:
+        env.close()
+
+
+@requires_fuse
+def test_dledger_broker_on_tierfs(mounted: Env):
+    """One DLedger broker on a tierfs mount: 80,000 acknowledged messages; its sealed data files are tiered and
+    evicted (`tierfs status` says so), read back through the mount byte-valid, and a new consumer group reads
+    every acknowledged message by content; after a kill -9 the broker recovers from the evicted files, takes
+    more messages, and everything is read again."""
+    env, rmq = mounted, mounted.rmq
+    conf = dledger_conf(rmq, env.mnt)
+    rmq.start_broker(conf)
+    env.client("topics", rmq.ns_addr, rmq.broker_addr, MOUNT_QUEUES, *MOUNT_TOPICS.split(","))
+    acked = env.base / "acked"
+    res = env.produce(MOUNT_TOPICS, MOUNT_QUEUES, 0, MOUNT_N, acked, threads=32)
+    assert res["acked"] == MOUNT_N and res["errors"] == 0, res
+    n, evicted, _ = wait_evicted(env, "dledger_data", 8)
+    text = env.mount.cli("status", env.mnt)
+    assert text.returncode == 0 and "dledger_data" in text.stdout, text.stdout
+    assert check_data_files_through_mount(env.mnt) >= 8
+    res = env.consume("g-first", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=MOUNT_N, acked=acked)
+    assert_all_read(res, MOUNT_N)
+    assert res["read"] == MOUNT_N and res["dups"] == 0, res
+
+    assert rmq.stop_broker(signal.SIGKILL) == -signal.SIGKILL
+    wait_evicted(env, "dledger_data", 8)
+    rmq.start_broker(conf)
+    more = env.base / "acked-more"
+    res = env.produce(MOUNT_TOPICS, MOUNT_QUEUES, MOUNT_N, 8_000, more, threads=16)
+    assert res["acked"] == 8_000, res
+    merged = env.base / "acked-merged"
+    merged.write_bytes(B.merge_acked([(acked.read_bytes(), 0), (more.read_bytes(), MOUNT_N)]))
+    wait_evicted(env, "dledger_data", 9)
+    res = env.consume("g-after-kill", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=MOUNT_N + 8_000,
+                      acked=merged)
+    assert_all_read(res, MOUNT_N + 8_000)
+    assert check_data_files_through_mount(env.mnt) >= 9
+    assert os.path.isdir(env.hot / "dledger-n0" / "data")
