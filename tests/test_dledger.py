@@ -11,6 +11,8 @@ import os
 import shutil
 import signal
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +292,123 @@ def test_dledger_broker_on_tierfs(mounted: Env):
     assert_all_read(res, MOUNT_N + 8_000)
     assert check_data_files_through_mount(env.mnt) >= 9
     assert os.path.isdir(env.hot / "dledger-n0" / "data")
+
+
+# ---------------------------------------------------------------------------------------------- a 3-node group
+
+GROUP_N = 60_000
+
+
+def _role(rmq: B.RocketMQ) -> tuple[int, str]:
+    """(term, role) of the broker's last finished role change (-1, '' before any), from its broker.log."""
+    last = (-1, "")
+    for line in rmq.broker_log().splitlines():
+        if "Finish handling broker role change succ=true" in line:
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            last = (int(fields["term"]), fields["role"])
+    return last
+
+
+def wait_leader(members: list[B.RocketMQ], timeout: float = 120) -> B.RocketMQ:
+    """The group member that is leader in the highest term any live member has reached."""
+    found: list[B.RocketMQ] = []
+
+    def done() -> bool:
+        live = [r for r in members if r.broker is not None and r.broker.proc.poll() is None]
+        roles = {id(r): _role(r) for r in live}
+        top = max((t for t, _ in roles.values()), default=-1)
+        leaders = [r for r in live if roles[id(r)] == (top, "LEADER")]
+        followers = [r for r in live if roles[id(r)] == (top, "FOLLOWER")]
+        if len(leaders) == 1 and len(leaders) + len(followers) == len(live):
+            found[:] = leaders
+            return True
+        return False
+
+    wait_for(done, timeout, 0.5, what="one DLedger leader and its followers in one term")
+    return found[0]
+
+
+@pytest.fixture
+def group(mounted: Env):
+    """Three DLedger members n0, n1, n2 on one tierfs mount (store roots n0/, n1/, n2/), one name server."""
+    env = mounted
+    members = [env.rmq] + [B.RocketMQ(VERSION, env.base / f"home{i}") for i in (1, 2)]
+    ports: list[int] = []
+    for _ in members:
+        ports.append(dledger_port(members, tuple(ports)))
+    peers = ";".join(f"n{i}-127.0.0.1:{p}" for i, p in enumerate(ports))
+    confs = [dledger_conf(r, env.mnt / f"n{i}", f"n{i}", peers, namesrvAddr=env.rmq.ns_addr)
+             for i, r in enumerate(members)]
+    try:
+        for r, c in zip(members, confs):
+            r.start_broker(c)
+        yield env, members, confs
+    finally:
+        for r in members[1:]:
+            r.close()
+
+
+@requires_fuse
+def test_dledger_group_survives_leader_kill(group):
+    """A 3-node DLedger group on one tierfs mount takes 60,000 messages; the leader is killed -9 while a producer
+    sends; a new leader is elected and serves, from tiered and evicted data files, every message that was
+    acknowledged before and after the kill; the old leader rejoins as a follower and catches up on tierfs."""
+    env, members, confs = group
+    leader = wait_leader(members)
+    env.client("topics", env.rmq.ns_addr, leader.broker_addr, MOUNT_QUEUES, *MOUNT_TOPICS.split(","))
+    acked = env.base / "acked"
+    res = env.produce(MOUNT_TOPICS, MOUNT_QUEUES, 0, GROUP_N, acked, threads=32)
+    assert res["acked"] == GROUP_N and res["errors"] == 0, res
+    wait_evicted(env, "dledger_data", 3 * 4)
+
+    # kill -9 of the leader while a producer sends: what it acknowledged is on a majority
+    during = env.base / "acked-during"
+    result: dict = {}
+
+    def producer() -> None:
+        try:
+            result["res"] = env.produce(MOUNT_TOPICS, MOUNT_QUEUES, GROUP_N, 20_000, during, threads=16)
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["err"] = e
+
+    old = leader
+    old_id = members.index(old)
+    data_dir = env.mnt / f"n{old_id}" / f"dledger-n{old_id}" / "data"
+    before = len(_files(data_dir))
+    t = threading.Thread(target=producer)
+    t.start()
+    try:
+        wait_for(lambda: len(_files(data_dir)) > before, 120, 0.2, what="the leader writing the second batch")
+        assert old.stop_broker(signal.SIGKILL) == -signal.SIGKILL
+        killed = time.monotonic()
+        leader = wait_leader(members)
+        elected = time.monotonic() - killed
+        assert leader is not old
+    finally:
+        t.join(600)
+    assert "err" not in result, result.get("err")
+    got = result["res"]
+    assert got["acked"] > 0, got
+    merged = env.base / "acked-merged"
+    merged.write_bytes(B.merge_acked([(acked.read_bytes(), 0), (during.read_bytes(), GROUP_N)]))
+    expected = GROUP_N + got["acked"]
+    print(f"\nleader n{old_id} killed; n{members.index(leader)} elected after {elected:.1f}s; the producer "
+          f"of the kill got {got['acked']} of 20,000 acknowledged ({got['errors']} errors)")
+
+    new_id = members.index(leader)
+    wait_evicted(env, "dledger_data", 3 * 4)
+    assert check_data_files_through_mount(env.mnt / f"n{new_id}", f"n{new_id}") >= 4
+    res = env.consume("g-new-leader", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=GROUP_N + 20_000,
+                      acked=merged)
+    assert_all_read(res, expected)
+
+    # the old leader comes back as a follower (truncating what the group never committed) and catches up
+    old.start_broker(confs[old_id])
+    wait_leader(members)
+    assert _role(old)[1] == "FOLLOWER"
+    new_files = _files(env.mnt / f"n{new_id}" / f"dledger-n{new_id}" / "data")
+    wait_for(lambda: len(_files(data_dir)) >= len(new_files), 120, 0.5, what="the old leader catching up")
+    assert check_data_files_through_mount(env.mnt / f"n{old_id}", f"n{old_id}") >= len(new_files) - 1
+    res = env.consume("g-after-rejoin", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=GROUP_N + 20_000,
+                      acked=merged)
+    assert_all_read(res, expected)
