@@ -59,11 +59,12 @@ def body_of(seq: int, size: int = BODY) -> bytes:
     return (unit * (size // len(unit) + 1))[:size]
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    """A DLedger store a real broker wrote (20,000 messages, 1 MiB data files) and stopped gracefully."""
-    base = tmp_path_factory.mktemp("dledger-codec")
-    rmq = B.RocketMQ(VERSION, base / "home")
+@pytest.fixture(scope="module", params=B.VERSIONS)
+def written(request, tmp_path_factory) -> Path:
+    """A DLedger store a real broker of each version wrote (20,000 messages, 1 MiB data files) and stopped
+    gracefully (their DLedger libraries, 0.3.1.2 and 0.3.2, share one format)."""
+    base = tmp_path_factory.mktemp(f"dledger-codec-{request.param}")
+    rmq = B.RocketMQ(request.param, base / "home")
     try:
         rmq.start_namesrv()
         rmq.start_broker(dledger_conf(rmq, base / "store"))
@@ -273,6 +274,16 @@ def check_data_files_through_mount(root: Path, self_id: str = "n0") -> int:
     return sealed
 
 
+KNOWN_NATIVE_LOSS = """Apache RocketMQ 5.5.0, enableDLegerCommitLog=true, one member, on a plain directory: 80,000
+messages acknowledged, kill -9, restart: DLedger recovers every entry ("Recover data to the end entryIndex=79999
+processOffset=33332543"), then the broker logs "dledger maxPhyOffsetOfConsumeQueue(33332175) >= processOffset
+(33237359), truncate dirty logic files" and a consumer misses 228 acknowledged messages (the same count twice).
+The cause, in 5.x `DLedgerCommitLog.dledgerRecoverAbnormally`: its walk adds each message's size
+(`getMsgSize`), not the entry's (`getBufferSize`, 48 more), to the offset it recovers to, so it truncates the
+ConsumeQueues 48 bytes per entry of the last data file short (95,184 = 48 x 1,983 entries here), and the reput
+never dispatches those messages again. 4.9.7 recovers its DLedger CommitLog right."""
+
+
 def run_pipeline(env: Env, topics: str, n: int) -> None:
     """`tierfs compact` on the DLedger store: every tiered data file becomes lz4c, its messages go to the
     Parquet archive (one row per entry), and `tierfs query` finds messages by key in the data files."""
@@ -297,11 +308,12 @@ def run_pipeline(env: Env, topics: str, n: int) -> None:
 
 
 @pytest.fixture
-def mounted(tmp_path):
-    env = Env(VERSION, tmp_path)
+def mounted(request, tmp_path):
+    version = getattr(request, "param", VERSION)
+    env = Env(version, tmp_path)
     try:
         env.mount.mount()
-        env.rmq = B.RocketMQ(VERSION, tmp_path / "home")
+        env.rmq = B.RocketMQ(version, tmp_path / "home")
         env.rmq.start_namesrv()
         yield env
     finally:
@@ -309,11 +321,13 @@ def mounted(tmp_path):
 
 
 @requires_fuse
+@pytest.mark.parametrize("mounted", B.VERSIONS, indirect=True)
 def test_dledger_broker_on_tierfs(mounted: Env):
     """One DLedger broker on a tierfs mount: 80,000 acknowledged messages; its sealed data files are tiered and
     evicted (`tierfs status` says so), read back through the mount byte-valid, and a new consumer group reads
-    every acknowledged message by content; after a kill -9 the broker recovers from the evicted files, takes
-    more messages, and everything is read again."""
+    every acknowledged message by content; the pipeline compacts and archives them; after a kill -9 (4.9.7; a
+    graceful stop for 5.5.0, see KNOWN_NATIVE_LOSS) the broker recovers from the evicted files, takes more
+    messages, and everything is read again."""
     env, rmq = mounted, mounted.rmq
     conf = dledger_conf(rmq, env.mnt)
     rmq.start_broker(conf)
@@ -333,7 +347,13 @@ def test_dledger_broker_on_tierfs(mounted: Env):
     res = env.consume("g-after-compact", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=MOUNT_N, acked=acked)
     assert_all_read(res, MOUNT_N)
 
-    assert rmq.stop_broker(signal.SIGKILL) == -signal.SIGKILL
+    # kill -9, or for 5.5.0 a graceful stop: a 5.5.0 DLedger broker killed -9 loses its last ~230 acknowledged
+    # messages on a plain directory too (its recovery truncates the ConsumeQueues short of the end DLedger
+    # recovered, and they are never dispatched again; see KNOWN_NATIVE_LOSS)
+    if env.version == "4.9.7":
+        assert rmq.stop_broker(signal.SIGKILL) == -signal.SIGKILL
+    else:
+        rmq.stop_broker(signal.SIGTERM, timeout=120)
     wait_evicted(env, "dledger_data", 8)
     rmq.start_broker(conf)
     more = env.base / "acked-more"
@@ -387,7 +407,7 @@ def wait_leader(members: list[B.RocketMQ], timeout: float = 120) -> B.RocketMQ:
 def group(mounted: Env):
     """Three DLedger members n0, n1, n2 on one tierfs mount (store roots n0/, n1/, n2/), one name server."""
     env = mounted
-    members = [env.rmq] + [B.RocketMQ(VERSION, env.base / f"home{i}") for i in (1, 2)]
+    members = [env.rmq] + [B.RocketMQ(env.version, env.base / f"home{i}") for i in (1, 2)]
     ports: list[int] = []
     for _ in members:
         ports.append(dledger_port(members, tuple(ports)))
@@ -457,6 +477,14 @@ def test_dledger_group_survives_leader_kill(group):
                       acked=merged)
     assert_all_read(res, expected)
 
+    # the new leader takes writes (entries of its term: the old leader's log is behind, it cannot win back)
+    after = env.base / "acked-after"
+    res = env.produce(MOUNT_TOPICS, MOUNT_QUEUES, GROUP_N + 20_000, 2_000, after, threads=8)
+    assert res["acked"] == 2_000, res
+    merged.write_bytes(B.merge_acked([(acked.read_bytes(), 0), (during.read_bytes(), GROUP_N),
+                                      (after.read_bytes(), GROUP_N + 20_000)]))
+    expected += 2_000
+
     # the old leader comes back as a follower (truncating what the group never committed) and catches up
     old.start_broker(confs[old_id])
     wait_leader(members)
@@ -464,6 +492,6 @@ def test_dledger_group_survives_leader_kill(group):
     new_files = _files(env.mnt / f"n{new_id}" / f"dledger-n{new_id}" / "data")
     wait_for(lambda: len(_files(data_dir)) >= len(new_files), 120, 0.5, what="the old leader catching up")
     assert check_data_files_through_mount(env.mnt / f"n{old_id}", f"n{old_id}") >= len(new_files) - 1
-    res = env.consume("g-after-rejoin", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=GROUP_N + 20_000,
+    res = env.consume("g-after-rejoin", topics=MOUNT_TOPICS, queues=MOUNT_QUEUES, count=GROUP_N + 22_000,
                       acked=merged)
     assert_all_read(res, expected)
