@@ -26,6 +26,7 @@ from tierfs.spark import walk
 from tierfs.store import commitlog, dledger
 from tierfs.store.paths import Kind, classify, split_root
 from tierfs.store.seal import is_sealed
+from tierfs.tier import storeroots
 
 VERSION = "4.9.7"
 TOPICS = "TA,TB"
@@ -98,6 +99,22 @@ def test_layout_of_a_real_store(written: Path):
     assert classify(str(index[0].relative_to(written))) is Kind.DLEDGER_INDEX
     for name in ("checkpoint", "checkpoint.bak", "currterm"):
         assert classify(f"dledger-n0/{name}") is Kind.MUTABLE
+
+
+def test_store_roots_of_dledger_members(tmp_path: Path):
+    """Members' store roots below one mount are found by their dledger-<id>/ dirs (a member that wrote no
+    ConsumeQueue yet has nothing else), and the sealer walks their data and index dirs."""
+    for i in range(3):
+        for d in ("data", "index"):
+            (tmp_path / f"n{i}" / f"dledger-n{i}" / d).mkdir(parents=True)
+    (tmp_path / "n2" / "consumequeue").mkdir()
+    assert storeroots.find_roots(str(tmp_path)) == ["n0", "n1", "n2"]
+    dirs = storeroots.segment_dirs(str(tmp_path))
+    assert {f"n{i}/dledger-n{i}/{d}" for i in range(3) for d in ("data", "index")} <= set(dirs)
+    assert "n2/consumequeue" in dirs and not any(d.startswith("n0/n") for d in dirs)
+    assert classify("n1/dledger-n1/data/" + "0" * 20) is Kind.DLEDGER_DATA
+    assert classify("dledger-n0/dledger-n1/data/" + "0" * 20) is Kind.MUTABLE  # no store root named dledger-*
+    assert classify("dledger-n0/data/" + "0" * 19) is Kind.MUTABLE
 
 
 def test_entries_blanks_and_bodies(written: Path):
@@ -453,7 +470,8 @@ def test_dledger_group_survives_leader_kill(group):
     t = threading.Thread(target=producer)
     t.start()
     try:
-        wait_for(lambda: len(_files(data_dir)) > before, 120, 0.2, what="the leader writing the second batch")
+        # a few data files into the batch (thousands of messages acknowledged), the leader dies
+        wait_for(lambda: len(_files(data_dir)) > before + 2, 120, 0.2, what="the leader writing the second batch")
         assert old.stop_broker(signal.SIGKILL) == -signal.SIGKILL
         killed = time.monotonic()
         leader = wait_leader(members)
