@@ -3,8 +3,8 @@
 Pure functions over ``bytes``/``bytearray``/``memoryview``/``mmap``; nothing here does I/O. Decoders never raise
 on garbage: they answer ``None`` where DLedger's own recovery (``DLedgerMmapFileStore.recover``) would stop.
 Read from openmessaging/dledger 0.3.1.2 (RocketMQ 4.9.7) and 0.3.2 (5.5.0), whose formats are identical
-(``DLedgerEntryCoder``, ``DLedgerMmapFileStore``, ``MmapFileList``), and checked against the files a real
-4.9.7 broker wrote (tests/test_dledger.py).
+(``DLedgerEntryCoder``, ``DLedgerMmapFileStore``, ``MmapFileList``), and checked against the files real
+4.9.7 and 5.5.0 brokers wrote (tests/test_dledger.py).
 
 Layout (all integers big-endian):
 
