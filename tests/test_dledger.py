@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import brokerutil as B
-from mountutil import requires_fuse, wait_for
+from mountutil import evict, requires_fuse, wait_for
 from test_broker import BODY, Env, assert_all_read
+from test_tiering import copy_in
 from tierfs.spark import walk
 from tierfs.store import commitlog, dledger
 from tierfs.store.paths import Kind, classify, split_root
@@ -33,6 +34,7 @@ TOPICS = "TA,TB"
 QUEUES = 2
 CODEC_N = 20_000
 SEG = 1 << 20  # mappedFileSizeCommitLog: DLedger's data file size
+CQ_UNITS = 1000  # ConsumeQueue files of the codec store: 5 per queue, 4 of them full (sealed)
 
 
 def dledger_conf(rmq: B.RocketMQ, store: Path, self_id: str = "n0", peers: str = "", **more: object) -> dict:
@@ -68,7 +70,7 @@ def written(request, tmp_path_factory) -> Path:
     rmq = B.RocketMQ(request.param, base / "home")
     try:
         rmq.start_namesrv()
-        rmq.start_broker(dledger_conf(rmq, base / "store"))
+        rmq.start_broker(dledger_conf(rmq, base / "store", mappedFileSizeConsumeQueue=20 * CQ_UNITS))
         rmq.client("topics", rmq.ns_addr, rmq.broker_addr, QUEUES, *TOPICS.split(","))
         res = rmq.client("produce", rmq.ns_addr, B.BROKER_NAME, TOPICS, QUEUES, 0, CODEC_N, BODY, 16,
                          base / "acked")
@@ -164,7 +166,7 @@ def test_index_units_and_consumequeue(written: Path):
         assert e is not None and (e.index, e.size, e.term) == (i, u.size, u.term)
     assert dledger.decode_index_unit(index, CODEC_N * dledger.INDEX_UNIT_SIZE) is None
     assert is_sealed(Kind.DLEDGER_INDEX, index, len(index)) == (False, "last unit not written")
-    cq = (written / "consumequeue" / "TA" / "0" / ("0" * 20)).read_bytes()
+    cq = b"".join(p.read_bytes() for p in _files(written / "consumequeue" / "TA" / "0"))
     units = [u for u in struct.iter_unpack(">qiq", cq) if u[1] > 0]
     assert len(units) == CODEC_N // 4
     for phys, size, _ in units:
@@ -239,6 +241,63 @@ def test_archive_walk_reads_dledger_bodies(written: Path):
 
 
 # ---------------------------------------------------------------------------------------------- on a tierfs mount
+
+PREFETCH_OPTS = ("tiering.enabled=true,cache.max_bytes=256KiB,cache.block_bytes=64KiB,objectstore.chunk_bytes=256KiB,"
+                 "seal.quiet_seconds=0.5,seal.scan_interval_seconds=0.5,delete.grace_seconds=0,"
+                 "readahead.max_blocks=16")
+
+
+@requires_fuse
+def test_consumequeue_page_prefetches_dledger_records(written: Path, mount_store, tmp_path):
+    """Layout-aware prefetch on a DLedger store: reading a tiered ConsumeQueue page fetches the evicted blocks of
+    the DLedger data files its units name (at entry bodies), so the record reads that follow wait on nothing."""
+    ref = tmp_path / "ref"
+    for sub in ("dledger-n0/data", "consumequeue/TA/0"):
+        shutil.copytree(written / sub, ref / sub)
+    m = mount_store(options=[PREFETCH_OPTS])
+    copy_in(ref, m.mnt)
+    cq = f"consumequeue/TA/0/{_files(ref / 'consumequeue' / 'TA' / '0')[1].name}"  # past the pinned first file page
+    data = [f"dledger-n0/data/{p.name}" for p in _files(ref / "dledger-n0" / "data")[:-1]]
+
+    def status() -> dict:
+        return json.loads((m.mnt / ".tierfs" / "status.json").read_text())
+
+    def evicted() -> bool:
+        files = {f["path"]: f for f in status()["files"]}
+        return all(files.get(p, {}).get("state") == "tiered" and files[p]["resident_bytes"] <= 8192
+                   for p in [cq, *data])
+    try:
+        wait_for(evicted, timeout=120, what="the queue file and the sealed DLedger data files tiered and evicted")
+    except AssertionError as e:
+        files = {f["path"]: f for f in status()["files"]}
+        raise AssertionError(f"{e}: {[(p, files.get(p)) for p in [cq, *data]]}") from None
+    for rel in [cq, *data]:
+        evict(m.mnt / rel)  # written through the mount: still in the page cache
+    fds = {rel: os.open(m.mnt / rel, os.O_RDONLY) for rel in data}  # open, as the broker keeps them mapped
+    try:
+        for fd in fds.values():
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, 64, 0)
+        e0 = status()["totals"]["engine"]
+        units = [u for u in struct.iter_unpack(">qiq", (m.mnt / cq).read_bytes()) if u[1] > 0]
+        assert len(units) == CQ_UNITS
+        e1 = status()["totals"]["engine"]
+        named = e1["named_prefetch_bytes"] - e0["named_prefetch_bytes"]
+        assert named > 0
+        wait_for(lambda: status()["totals"]["engine"]["prefetch_bytes"] - e0["prefetch_bytes"] >= named,
+                 timeout=30, what="the named data file blocks fetched")
+        e2 = status()["totals"]["engine"]
+        for phys, size, _ in units:
+            rel = f"dledger-n0/data/{phys - phys % SEG:020d}"
+            if rel in fds:
+                msg = commitlog.decode_record(os.pread(fds[rel], size, phys % SEG), 0, check_crc=True)
+                assert isinstance(msg, commitlog.Message) and msg.body == body_of(int(msg.body[1:13]))
+        e3 = status()["totals"]["engine"]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert e3["reads_waited"] == e2["reads_waited"]  # every record was in memory already
+    assert e3["fetches"] == e2["fetches"]
 
 MOUNT_N = 80_000
 MOUNT_TOPICS = "TA,TB,TC,TD"
