@@ -188,7 +188,8 @@ SCHEMA: tuple[Key, ...] = (
         "HOT_DIR/.tierfs/store-id."),
     Key("store.roots", "str", "",
         "Store roots below the mount root, comma-separated relative dirs (e.g. 'master,slave'; '.' is the root). "
-        "Empty: found by layout (dirs holding commitlog/, consumequeue/ or index/, up to 3 levels down)."),
+        "Empty: found by layout (dirs holding commitlog/, consumequeue/, index/ or dledger-<id>/, up to 3 levels "
+        "down)."),
     # --- seal, upload, eviction ---------------------------------------------------------------------
     Key("tiering.enabled", "bool", True, "Seal, upload and evict segments. Off: a plain local passthrough."),
     Key("tiering.rpo_seconds", "float", 10.0,

@@ -26,6 +26,7 @@ from typing import Callable
 
 from tierfs.store import commitlog as cl
 from tierfs.store import indexfile as ix
+from tierfs.store.paths import is_dledger_dir
 
 LONG_MAX = (1 << 63) - 1
 
@@ -288,6 +289,17 @@ def query_offsets(mnt: Path, state: Path, index_dir: Path, key: str, begin: int,
     return out, stats
 
 
+def default_commitlog_dir(root: Path) -> Path:
+    """Where a store's messages are: `commitlog/`, or with a DLedger CommitLog (and no `commitlog/`) the data
+    directory of its only `dledger-<selfId>/`, whose files the index's offsets point into (at entry bodies:
+    the same records, so `read_record` reads either)."""
+    plain = root / "commitlog"
+    if plain.is_dir():
+        return plain
+    ledgers = sorted(d for d in root.glob("dledger-*/data") if is_dledger_dir(d.parent.name) and d.is_dir())
+    return ledgers[0] if len(ledgers) == 1 else plain
+
+
 def read_record(commitlog_dir: Path, phys: int) -> cl.Message | None:
     """The message at CommitLog offset `phys`, read through the mount, or None if there is none."""
     names = sorted(n for n in os.listdir(commitlog_dir) if n.isdigit())
@@ -329,7 +341,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     if args.store and not root.is_dir():
         return _fail(f"--store {args.store}: {root} is not a directory below the mount")
     index_dir = Path(args.index_dir) if args.index_dir else root / "index"
-    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else root / "commitlog"
+    commitlog_dir = Path(args.commitlog_dir) if args.commitlog_dir else default_commitlog_dir(root)
     for d, flag in ((index_dir, "--index-dir"), (commitlog_dir, "--commitlog-dir")):
         if not d.is_dir():
             return _fail(f"{d} is not a directory; pass the broker's directory with {flag}")
@@ -396,6 +408,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--store", metavar="SUBDIR", help="a store whose root is below the mount root (storePathRootDir "
                    "= MOUNTPOINT/SUBDIR); default: the mount root")
     q.add_argument("--index-dir", metavar="DIR", help="default MOUNTPOINT[/SUBDIR]/index")
-    q.add_argument("--commitlog-dir", metavar="DIR", help="default MOUNTPOINT/commitlog (storePathCommitLog)")
+    q.add_argument("--commitlog-dir", metavar="DIR", help="default MOUNTPOINT/commitlog (storePathCommitLog), or "
+                   "the data dir of a DLedger CommitLog (dledger-<selfId>/data)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_query)

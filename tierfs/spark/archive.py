@@ -34,7 +34,7 @@ import numpy as np
 from tierfs.objectstore import ObjectInfo, ObjectStore
 from tierfs.spark.walk import ArchiveError, Batch, batches, records
 from tierfs.store import commitlog as cl
-from tierfs.store.paths import split_root
+from tierfs.store.paths import Kind, classify, split_root
 from tierfs.tier import layout
 
 __all__ = [
@@ -107,6 +107,8 @@ def part_name(path: str) -> str:
     (or supersede) each other's Parquet files."""
     root, inner = split_root(path)
     name = inner.rsplit("/", 1)[-1]
+    if classify(path) is Kind.DLEDGER_DATA:  # 'dledger-n0/data/0000...' -> 'dledger-n0~0000...'
+        name = f"{inner.split('/', 1)[0]}~{name}"
     return f"{root.replace('/', '~')}~{name}" if root else name
 
 
@@ -504,7 +506,7 @@ def _decoded(store: ObjectStore, seg: dict, retention: Mapping[str, float], toda
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-") as tmp:
         w = _Writer(tmp, constants)
         try:
-            for batch in batches(counted(read(store, seg)), name, size):
+            for batch in batches(counted(read(store, seg)), name, size, classify(path) is Kind.DLEDGER_DATA):
                 w.add(batch, retention, today)
             done = w.finish()
         except BaseException:

@@ -217,8 +217,8 @@ def check_item(stage: str, seg: Any) -> str | None:
             return f"segment entry field {key!r} is missing or not {what}"
     if seg["format"] not in ("raw", "lz4c"):
         return f"segment entry format {seg['format']!r} is not raw or lz4c"
-    if stage == "archive" and classify(seg["path"]) is not Kind.COMMITLOG:
-        return f"the archive stage reads CommitLog segments only, not {seg['path']!r}"
+    if stage == "archive" and classify(seg["path"]) not in (Kind.COMMITLOG, Kind.DLEDGER_DATA):
+        return f"the archive stage reads CommitLog segments (or DLedger data files) only, not {seg['path']!r}"
     return None
 
 

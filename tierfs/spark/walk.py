@@ -1,5 +1,10 @@
 """Walking sealed CommitLog content (format §4.1, §12) for the archive: record by record, or column-wise.
 
+A DLedger CommitLog's data file (tierfs.store.dledger) holds the same records, each as the body of a 48-byte
+DLedger entry header, and ends in DLedger's blank: :func:`batches` with ``dledger=True`` follows the entry chain,
+checks each header against its place, and decodes the bodies as records (their PHYSICALOFFSET is the entry's
+offset + 48, so the same checks hold).
+
 A tiered segment was sealed by its content: valid records, then a BLANK whose TOTALSIZE reaches the end. Anything
 else — a bad record, a BODYCRC or PHYSICALOFFSET mismatch, content ending before the BLANK — is corruption and
 raises :class:`ArchiveError` naming the position.
@@ -20,6 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from tierfs.store import commitlog as cl
+from tierfs.store import dledger as dl
 from tierfs.store.names import name_to_offset
 
 __all__ = ["ArchiveError", "Batch", "records", "batches", "check_record"]
@@ -55,6 +61,33 @@ def _head(name: str, buf, pos: int, at: int, size: int) -> tuple[int, int]:
         raise ArchiveError(f"commitlog/{name}: record at position {at} has an impossible TOTALSIZE "
                            f"{total} (segment size {size})")
     return total, magic
+
+
+def _entry_head(name: str, buf, pos: int, at: int, size: int, base: int) -> tuple[int, int]:
+    """(entry size, magic) of the DLedger entry at *pos* (data file position *at*), its header checked against
+    its place and its body's TOTALSIZE; raises for what is no entry. The magic is BLANK_MAGIC for the blank."""
+    magic, total = _II.unpack_from(buf, pos)
+    if magic == dl.BLANK_MAGIC:
+        if total != size - at:
+            raise ArchiveError(f"dledger/{name}: blank at position {at} says {total} bytes, but {size - at} "
+                               f"remain in the {size}-byte data file")
+        return total, cl.BLANK_MAGIC
+    if magic != dl.MAGIC:
+        raise ArchiveError(f"dledger/{name}: no entry at position {at} (magic {magic & 0xFFFFFFFF:#010x}) "
+                           f"before the terminal blank")
+    if total < dl.BODY_OFFSET + HEAD_MIN or at + total > size - dl.MIN_BLANK_LEN:
+        raise ArchiveError(f"dledger/{name}: entry at position {at} has an impossible size {total} "
+                           f"(data file size {size})")
+    return total, magic
+
+
+def _check_entry(name: str, buf, pos: int, at: int, total: int, base: int) -> None:
+    """The header of a whole DLedger entry: its pos is its offset, its body is one record of bodyLen bytes."""
+    e = dl.decode_entry(buf, pos)
+    body = _II.unpack_from(buf, pos + dl.BODY_OFFSET)[0]
+    if e is None or e.pos != base + at or e.size != total or body != e.body_len:
+        raise ArchiveError(f"dledger/{name}: entry at position {at} is invalid (its pos, size or bodyLen "
+                           f"disagree with its place, or its body is not one record of bodyLen bytes)")
 
 
 def _ends_before_blank(name: str, end: int) -> ArchiveError:
@@ -205,11 +238,13 @@ def _decode(data: bytes, starts: list[int], start: int, base: int) -> tuple[Batc
     return batch, cut
 
 
-def batches(blocks: Iterable[bytes], name: str, size: int) -> Iterator[Batch]:
+def batches(blocks: Iterable[bytes], name: str, size: int, dledger: bool = False) -> Iterator[Batch]:
     """The checked message records of a sealed segment whose content arrives in *blocks*, in batches of about
     BATCH_BYTES, in segment order; raises ArchiveError as :func:`records` does, after yielding the records
-    before the bad one. Reads exactly the blocks :func:`records` reads (none after the BLANK's header)."""
+    before the bad one. Reads exactly the blocks :func:`records` reads (none after the BLANK's header).
+    *dledger*: the segment is a DLedger data file, whose records are the bodies of its entries."""
     base = name_to_offset(name)
+    skip = dl.BODY_OFFSET if dledger else 0  # where the record starts in an entry
     acc = bytearray()
     start = 0      # segment position of acc[0]
     pos = 0        # next record in acc
@@ -228,16 +263,19 @@ def batches(blocks: Iterable[bytes], name: str, size: int) -> Iterator[Batch]:
         while err is None and n - pos >= 8:  # follow the TOTALSIZE chain as far as the content goes
             at = start + pos
             try:
-                total, magic = _head(name, acc, pos, at, size)
+                total, magic = (_entry_head(name, acc, pos, at, size, base) if dledger
+                                else _head(name, acc, pos, at, size))
+                if magic == cl.BLANK_MAGIC:
+                    done = True
+                    break
+                if n - pos < total:
+                    break
+                if dledger:
+                    _check_entry(name, acc, pos, at, total, base)
             except ArchiveError as e:
                 err = e
                 break
-            if magic == cl.BLANK_MAGIC:
-                done = True
-                break
-            if n - pos < total:
-                break
-            starts.append(pos)
+            starts.append(pos + skip)
             pos += total
         if pos >= BATCH_BYTES or done or err is not None:
             with memoryview(acc) as whole:
@@ -250,8 +288,12 @@ def batches(blocks: Iterable[bytes], name: str, size: int) -> Iterator[Batch]:
                 if cut < len(starts):  # the record-by-record rules say what is wrong with it
                     p = starts[cut]
                     total, magic = _II.unpack_from(data, p)
-                    check_record(data, p, start + p, total, magic, base, name)
-                    raise ArchiveError(f"commitlog/{name}: record at position {start + p} is invalid")
+                    what = "dledger" if dledger else "commitlog"
+                    try:
+                        check_record(data, p, start + p, total, magic, base, name)
+                    except ArchiveError as e:
+                        raise ArchiveError(str(e).replace("commitlog/", f"{what}/", 1)) from None
+                    raise ArchiveError(f"{what}/{name}: record at position {start + p} is invalid")
             start += pos
             pos = 0
             starts = []

@@ -62,6 +62,9 @@ __all__ = [
     "message_id",
     "sealed_commitlog_end",
     "complete_records_end",
+    "be_ints",
+    "byte_view",
+    "check_layouts",
 ]
 
 # --- constants (MessageDecoder, MessageSysFlag, MessageConst) -------------------------------------
@@ -516,6 +519,22 @@ def message_id(store_host: Host, phys_offset: int) -> str:
     return (bytes(ip) + _I.pack(port) + _Q.pack(phys_offset)).hex().upper()
 
 
+def byte_view(buf, file_size: int, min_size: int) -> memoryview | None:
+    """A flat byte view of `buf` holding at least `file_size` >= `min_size` bytes, or None (never raises)."""
+    try:
+        if not isinstance(file_size, int) or file_size < min_size or len(buf) < file_size:
+            return None
+        mv = memoryview(buf)
+    except TypeError:
+        return None
+    if mv.ndim != 1 or mv.itemsize != 1:
+        try:
+            return mv.cast("B")
+        except (TypeError, ValueError):
+            return None
+    return mv
+
+
 def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_start: int | None = None) -> int | None:
     """Seal test for a CommitLog segment: the position of its terminal BLANK, or ``None``.
 
@@ -529,18 +548,10 @@ def sealed_commitlog_end(buf, file_size: int, *, check_crc: bool = False, file_s
     are then checked for all records at once (`_layouts_ok`): a 1 GiB segment of 1 KiB messages is a million
     records, and checking each one's layout in Python took the sealer over a second of GIL-holding CPU.
     """
-    try:
-        if not isinstance(file_size, int) or file_size < BLANK_SIZE or len(buf) < file_size:
-            return None
-        mv = memoryview(buf)
-    except TypeError:
+    mv = byte_view(buf, file_size, BLANK_SIZE)
+    if mv is None:
         return None
     with mv:
-        if mv.ndim != 1 or mv.itemsize != 1:
-            try:
-                mv = mv.cast("B")
-            except (TypeError, ValueError):
-                return None
         # Room for the BLANK is always left after the last message: messages must end by file_size - 8.
         msg_end = file_size - BLANK_SIZE
         pos = 0
@@ -623,6 +634,11 @@ def _layouts_ok(a: np.ndarray, pos: np.ndarray, total: np.ndarray, wide: np.ndar
     if not ok.all():
         return None
     return (body_off, body_len) if need_body else ()
+
+
+# the vectorised checks, for codecs of logs that wrap CommitLog records (tierfs.store.dledger)
+be_ints = _be
+check_layouts = _layouts_ok
 
 
 def complete_records_end(buf, pos: int, *, buf_offset: int, file_start: int, file_size: int,

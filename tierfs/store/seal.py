@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from tierfs.store import consumequeue, indexfile
+from tierfs.store import consumequeue, dledger, indexfile
 from tierfs.store.commitlog import BLANK_MAGIC, MAGIC_V1, MAGIC_V2, sealed_commitlog_end
 from tierfs.store.paths import Kind
 
@@ -67,6 +67,16 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
             return True, "index full"
         if kind is Kind.TIMERLOG:
             return _timerlog_sealed(buf, size)
+        if kind is Kind.DLEDGER_DATA:
+            end = dledger.sealed_data_end(buf, size)
+            if end is not None:
+                return True, f"blank at {end}"
+            magic = struct.unpack_from(">i", buf, 0)[0] if size >= 4 else 0
+            if magic not in (0, dledger.MAGIC, dledger.BLANK_MAGIC):
+                return False, f"corrupt: unknown DLedger magic {magic & 0xFFFFFFFF:#010x} at 0"
+            return False, "no valid terminal blank"
+        if kind is Kind.DLEDGER_INDEX:
+            return dledger.index_sealed(buf, size)
         if kind is Kind.CONSUMEQUEUE_EXT:
             return False, "consumequeue_ext is kept local"
         return False, "mutable file"
@@ -77,11 +87,13 @@ def is_sealed(kind: Kind, buf, size: int, params: SealParams = SealParams()) -> 
 def checked_ranges(kind: Kind, size: int, params: SealParams = SealParams()) -> list[tuple[int, int]]:
     """(offset, length) of the bytes `is_sealed` reads of a `size`-byte file of `kind`: what a caller faults in
     before the check (a hole of a mapping on a full tmpfs is a SIGBUS when touched). An IndexFile's
-    rule reads its header and last item only (hundreds of MiB in a broker's default config); the others walk
-    their whole content."""
+    rule reads its header and last item only (hundreds of MiB in a broker's default config), a DLedger index file
+    its first and last units; the others walk their whole content."""
     if kind is Kind.INDEX:
         last = indexfile.item_position(params.max_index_num - 1, params.max_hash_slot_num)
         return [(0, indexfile.HEADER_SIZE), (last, indexfile.ITEM_SIZE)]
+    if kind is Kind.DLEDGER_INDEX and size >= dledger.INDEX_UNIT_SIZE:  # a sparse 160 MiB file: two units
+        return [(0, dledger.INDEX_UNIT_SIZE), (size - dledger.INDEX_UNIT_SIZE, dledger.INDEX_UNIT_SIZE)]
     return [(0, size)]
 
 

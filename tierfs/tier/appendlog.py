@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.appendlog")
 
 APPEND_KINDS = frozenset((Kind.COMMITLOG, Kind.CONSUMEQUEUE, Kind.BATCHCONSUMEQUEUE, Kind.CONSUMEQUEUE_EXT,
-                          Kind.TIMERLOG))
+                          Kind.TIMERLOG, Kind.DLEDGER_DATA, Kind.DLEDGER_INDEX))
 MAX_OBJECT = 64 << 20  # one append object at most: a first upload of a long tail goes in pieces
 GAP = 64 << 10  # written ranges closer than this go up as one object
 _ZERO_SCAN = 1 << 20

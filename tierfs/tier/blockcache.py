@@ -64,6 +64,7 @@ NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets
 NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
+_MESSAGE_LOGS = (Kind.COMMITLOG.value, Kind.DLEDGER_DATA.value)  # the logs ConsumeQueue units point into
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
 NAMED_GET_BYTES = 1 << 20  # a named prefetch's coalesced GET at most (records of one ConsumeQueue page)
 UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
@@ -238,7 +239,8 @@ class BlockCache:
         self._pins_local: set[tuple[int, int, int]] = set()  # (file id, generation, offset): pinned pages held
         self._pin_installs: set[tuple[int, int, int]] = set()  # ... being written into the hot file
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
-        self._commitlog_size: dict[str, tuple[int, float]] = {}  # store root -> (CommitLog file size, when found)
+        # store root -> (its message log's file size, the log's dir with a trailing '/', when found)
+        self._commitlog_size: dict[str, tuple[int, str, float]] = {}
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
         self._peeked: dict[int, float] = {}  # ... named by a pinned page (no prefetch): random reads by blocks
         self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
@@ -642,10 +644,9 @@ class BlockCache:
         _missing_units). No await in here."""
         eng = self.eng
         root = split_root(cq.path)[0]
-        seg = self._commitlog_file_size(root)
+        seg, prefix = self._message_log(root)
         if not seg:
             return
-        prefix = f"{root}/commitlog/" if root else "commitlog/"
         mv = memoryview(data)
         start = -off % CQ_UNIT
         stop = start + min((len(mv) - start) // CQ_UNIT, NAMED_UNITS_PER_READ) * CQ_UNIT
@@ -723,19 +724,21 @@ class BlockCache:
                 await self._load_table(c, deadline)
         self._prefetch_named(cq, data, off, load=False)
 
-    def _commitlog_file_size(self, root: str) -> int:
-        """The size of a store root's CommitLog files (mappedFileSizeCommitLog: every sealed one has it), from a
-        tiered CommitLog entry; looked up again at most every 10 s while none is known."""
-        size, when = self._commitlog_size.get(root, (0, 0.0))
+    def _message_log(self, root: str) -> tuple[int, str]:
+        """(file size, dir + '/') of the log a store root's ConsumeQueues point into: its CommitLog, or the data
+        files of its DLedger CommitLog (`dledger-<id>/data/`, named by offset and holding the same records at
+        the offsets the units name). The size (mappedFileSizeCommitLog: every sealed file has it) comes from a
+        tiered file of the log; looked up again at most every 10 s while none is known."""
+        size, prefix, when = self._commitlog_size.get(root, (0, "", 0.0))
         now = time.monotonic()
         if size or now - when < 10.0:
-            return size
+            return size, prefix
         for c in self.eng.tiered.values():
-            if c.kind == Kind.COMMITLOG.value and split_root(c.path)[0] == root:
-                size = c.size
+            if c.kind in _MESSAGE_LOGS and split_root(c.path)[0] == root:
+                size, prefix = c.size, c.path.rpartition("/")[0] + "/"
                 break
-        self._commitlog_size[root] = (size, now)
-        return size
+        self._commitlog_size[root] = (size, prefix, now)
+        return size, prefix
 
     @staticmethod
     def _object_of(e: Entry, first: int) -> str:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.compaction")
 
 STAGES = ("segments", "index", "archive")
+_ARCHIVED_KINDS = (Kind.COMMITLOG.value, Kind.DLEDGER_DATA.value)  # segments of messages: the archive reads them
 KEEP_JOB_DIRS = 20
 VERIFY_BATCH_BLOCKS = 16
 
@@ -257,7 +258,7 @@ class Compactor:
             "indexes": [seg_record(e) for e in tiered if "index" in job.stages and e.kind == Kind.INDEX.value
                         and (e.path, "cidx", e.generation) not in have],
             "commitlogs": [seg_record(e) for e in tiered if "archive" in job.stages
-                           and e.kind == Kind.COMMITLOG.value and (e.path, "archive", e.generation) not in have],
+                           and e.kind in _ARCHIVED_KINDS and (e.path, "archive", e.generation) not in have],
             "max_hash_slot_num": int(self.config["broker.max_hash_slot_num"]),
             "max_index_num": int(self.config["broker.max_index_num"]),
             "retention": retention,

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.follow")
 
 
-_ORDER = {Kind.COMMITLOG: 0, Kind.CONSUMEQUEUE: 1, Kind.BATCHCONSUMEQUEUE: 1, Kind.CONSUMEQUEUE_EXT: 1,
-          Kind.INDEX: 2}
+_ORDER = {Kind.COMMITLOG: 0, Kind.DLEDGER_DATA: 0, Kind.DLEDGER_INDEX: 0, Kind.CONSUMEQUEUE: 1,
+          Kind.BATCHCONSUMEQUEUE: 1, Kind.CONSUMEQUEUE_EXT: 1, Kind.INDEX: 2}
 
 
 def apply_order(rel: str) -> tuple[int, str]:

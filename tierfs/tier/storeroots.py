@@ -2,13 +2,15 @@
 
 A broker's `storePathRootDir` may be a subdirectory of the mount (a master's and a slave's stores under one
 mount on one host). Such a store root is either configured (`store.roots`) or found by its layout: a directory
-holding `commitlog/`, `consumequeue/` or `index/`. The search stops at a store root (a store never nests another)
+holding `commitlog/`, `consumequeue/`, `index/` or a DLedger CommitLog's `dledger-<selfId>/`. The search stops at a store root (a store never nests another)
 and goes at most MAX_DEPTH levels down, skipping hidden directories (the daemon's own `.tierfs`).
 """
 
 from __future__ import annotations
 
 import os
+
+from tierfs.store.paths import is_dledger_dir
 
 SEGMENT_DIRS = ("commitlog", "consumequeue", "batchconsumequeue", "index", "timerlog")
 _MARKERS = frozenset(("commitlog", "consumequeue", "index"))
@@ -48,7 +50,7 @@ def find_roots(hot: str, configured: str = "") -> list[str]:
                 dirs = [de.name for de in it if de.is_dir(follow_symlinks=False)]
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             continue
-        if _MARKERS.intersection(dirs):
+        if _MARKERS.intersection(dirs) or any(is_dledger_dir(d) for d in dirs):
             roots.append(rel)
             continue
         if depth < MAX_DEPTH:
@@ -57,5 +59,15 @@ def find_roots(hot: str, configured: str = "") -> list[str]:
 
 
 def segment_dirs(hot: str, configured: str = "") -> list[str]:
-    """The segment directories of every store root, relative to the hot dir, for the sealer's walk."""
-    return [f"{r}/{d}" if r else d for r in find_roots(hot, configured) for d in SEGMENT_DIRS]
+    """The segment directories of every store root, relative to the hot dir, for the sealer's walk: the
+    RocketMQ logs, and the `data/` and `index/` of each DLedger store (`dledger-<selfId>/`) in the root."""
+    out = []
+    for r in find_roots(hot, configured):
+        out += [f"{r}/{d}" if r else d for d in SEGMENT_DIRS]
+        try:
+            with os.scandir(f"{hot}/{r}" if r else hot) as it:
+                ledgers = sorted(de.name for de in it if is_dledger_dir(de.name) and de.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        out += [f"{r}/{ld}/{d}" if r else f"{ld}/{d}" for ld in ledgers for d in ("data", "index")]
+    return out
