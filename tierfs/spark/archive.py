@@ -506,7 +506,7 @@ def _decoded(store: ObjectStore, seg: dict, retention: Mapping[str, float], toda
     with tempfile.TemporaryDirectory(prefix="tierfs-archive-") as tmp:
         w = _Writer(tmp, constants)
         try:
-            for batch in batches(counted(read(store, seg)), name, size, classify(path) is Kind.DLEDGER_DATA):
+            for batch in batches(counted(read(store, seg)), name, size, classify(seg["path"]) is Kind.DLEDGER_DATA):
                 w.add(batch, retention, today)
             done = w.finish()
         except BaseException:
