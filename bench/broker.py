@@ -5,6 +5,7 @@ everything from offset 0 after a broker restart, with the data evicted (tierfs) 
 
     python bench/broker.py [--messages 40000] [--body 1024] [--repeat 3] [--json out.json]
     python bench/broker.py --produce-only --repeat 3 [--py-spy DIR]   # produce only, native/tierfs alternated
+    python bench/broker.py --group [--messages 40000] [--repeat 3]   # a master+slave group, native vs tierfs
 
 tierfs's objects go to a throwaway Ceph RGW on 127.0.0.1 (tests/ceph_rgw.py; a memstore OSD, so objects are in
 RAM but every GET and PUT is HTTP through radosgw), as in production on S3; --store file puts them in a file://
@@ -29,6 +30,16 @@ disk). tierfs runs its defaults otherwise, continuous tiering included. Before t
 restarted and the store's files (and tierfs's hot dir, and the plug-in's tier files) are dropped from the page
 cache with POSIX_FADV_DONTNEED, so no configuration reads from memory it kept from the produce phase (the RGW's
 memstore cannot be dropped: tierfs's GETs are served from its RAM).
+With --group a 5.5.0 broker group in controller mode (a controller, a master and a slave, each broker its own
+JVM and store root) runs on native disk (two store roots on the disk) and on tierfs (both store roots below one
+mount, its objects on the RGW, the sealed segments of both stores tiered and evicted before the reads), the two
+sides rotated per round: produce rate (an acknowledgement means both replicas have the message,
+allAckInSyncStateSet), then both brokers are restarted with their files dropped from the page cache and a lagging
+consumer reads everything from offset 0 off the master; then kill -9 of the master, and the failover time is the
+time from the kill to the first acknowledged send on the member the controller promoted (each try a client JVM
+of its own: its start-up is in the figure, on both sides alike); a last consumer reads everything off the new
+master. Every read checks every acknowledged message by content. Ratios: produce and lagging read tierfs/native,
+failover native/tierfs (above 1: tierfs fails over faster).
 Needs the Maven artifacts that ./mount-scripts/test resolves (tests/brokerutil.py) and Ceph (tests/ceph_rgw.py).
 """
 
@@ -39,6 +50,7 @@ import contextlib
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import zipfile
@@ -251,8 +263,13 @@ def main() -> None:
                     help="--produce-only: one more tierfs mount with these options (and this source tree)")
     ap.add_argument("--skip", action="append", default=[], metavar="NAME",
                     help="--produce-only: leave out a default variant (tierfs, tierfs-rpo0)")
+    ap.add_argument("--group", action="store_true",
+                    help="a master+slave group (5.5.0 controller mode) on native and on tierfs, with a failover")
     args = ap.parse_args()
     C.install_signal_handlers()
+    if args.group:
+        group_bench(args)
+        return
     if args.py_spy:
         Path(args.py_spy).mkdir(parents=True, exist_ok=True)
     if args.produce_only:
@@ -391,6 +408,179 @@ def produce_only(args: argparse.Namespace) -> None:
     if args.json:
         C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION,
                                  "store": args.store, "runs": runs, "medians": med})
+
+
+GROUP_SIDES = ("native", "tierfs")
+GROUP_ROOTS = ("node0", "node1")
+PROBE = "PROBE"  # the one-message sends that find the master
+# as in tests/test_broker.py: an eviction pass goes down to a fifth of the budget, so both stores' segments go
+GROUP_TIER_OPTS = TIER_OPTS + ",cache.low_watermark=0.2"
+
+
+def group_bench(args: argparse.Namespace) -> None:
+    """--group: rounds of a broker group on native disk and on tierfs, sides rotated; medians and the medians of
+    the per-round paired ratios."""
+    rounds: list[dict[str, dict]] = []
+    t0 = time.monotonic()
+    with C.temp_base(args.tmp, "tierfs-bench-group-") as base, \
+            object_store(args.store, 3 * args.messages * args.body) as objects:
+        for i in range(args.repeat or 1):
+            results: dict[str, dict] = {}
+            for pos, side in enumerate(rotation(GROUP_SIDES, i)):
+                run = base / f"{side}-{i}"
+                if side == "native":
+                    results[side] = run_group(side, run, run / "disk", args)
+                else:
+                    opts = [GROUP_TIER_OPTS, objects.options(run, f"group-{i}"), *args.options]
+                    with C.TierfsMount(run / "hot", run / "mnt", opts) as mount:
+                        results[side] = run_group(side, run, run / "mnt", args, mount,
+                                                  (run / "hot", *objects.backing(run)))
+                    objects.forget(f"group-{i}")
+                results[side]["position"] = pos
+                shutil.rmtree(run, ignore_errors=True)
+            rounds.append(results)
+        store_desc = objects.describe()
+    per_round = [{"produce tierfs/native": r["tierfs"]["produce_msgs_s"] / r["native"]["produce_msgs_s"],
+                  "lagging read tierfs/native": r["tierfs"]["read_msgs_s"] / r["native"]["read_msgs_s"],
+                  "failover native/tierfs": r["native"]["failover_s"] / r["tierfs"]["failover_s"]}
+                 for r in rounds]
+    ratios = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
+    cols = ["produce_msgs_s", "p99_ms", "read_msgs_s", "read_fetch_MiB", "failover_s", "new_master_read_msgs_s",
+            "produce_broker_cpu_s", "produce_daemon_cpu_s", "read_daemon_cpu_s"]
+    results = {k: {c: statistics.median(r[k][c] for r in rounds) for c in cols if c in rounds[0][k]}
+               for k in GROUP_SIDES}
+    C.print_table(["group", *cols], [[k, *(C.fmt_num(v.get(c, "")) for c in cols)] for k, v in results.items()])
+    print(f"(medians over rounds; broker CPU: master + slave; {C.DAEMON_CPU_NOTE}; read_fetch_MiB: what tierfs "
+          f"fetched from the tier during the lagging read)")
+    print("tierfs before the reads, per store root [CommitLog segments, tiered, evicted]: "
+          + "; ".join(f"round {i}: {r['tierfs']['tiered_evicted']}" for i, r in enumerate(rounds)))
+    C.print_table(["ratio (median of per-round paired ratios)", "median", "per round"],
+                  [[k, f"{v:.2f}", ", ".join(f"{r[k]:.2f}" for r in per_round)] for k, v in ratios.items()])
+    print(f"broker group {VERSION} controller mode, master+slave, {args.messages} messages of {args.body} B, "
+          f"{len(rounds)} round(s), order per round: "
+          + "; ".join(", ".join(rotation(GROUP_SIDES, i)) for i in range(len(rounds)))
+          + f", {time.monotonic() - t0:.0f} s; {store_desc}")
+    if args.json:
+        C.write_json(args.json, {"messages": args.messages, "body": args.body, "version": VERSION, "group": True,
+                                 "store": args.store, "rounds": rounds, "results": results, "ratios": ratios,
+                                 "per_round": per_round})
+
+
+def run_group(name: str, run: Path, root: Path, args: argparse.Namespace, mount: C.TierfsMount | None = None,
+              backing: tuple[Path, ...] = ()) -> dict:
+    """One side: the group on store roots below `root`; produce, (tierfs: wait until both stores' sealed
+    CommitLog segments are tiered and evicted), restart both brokers with their files dropped from the page
+    cache, the lagging read off the master, kill -9 of the master, the failover time, the read off the new
+    master. Every read checks every acknowledged message."""
+    stores = [root / r for r in GROUP_ROOTS]
+    for s in stores:
+        s.mkdir(parents=True)
+    g = B.BrokerGroup(VERSION, run / "home", stores, controller=True)
+    master, slave = g.members
+    acked = run / "acked"
+    try:
+        g.start()
+        wait_in_sync(g, 1)
+        master.client("topics", g.ns_addr, master.broker_addr, QUEUES, TOPIC, f"{PROBE}:1")
+        g.first_ack(run / "probe-start", PROBE, args.body)
+        C.wait_until(lambda: all(t in _text(stores[1] / "config" / "topics.json") for t in (TOPIC, PROBE)), 60,
+                     "the slave synchronising the topic configs")
+        cpu0 = group_cpu(g, mount)
+        prod = master.client("produce", g.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages, args.body, 64,
+                             acked, timeout=600)
+        if prod["acked"] != args.messages:
+            raise SystemExit(f"{name}: only {prod['acked']} of {args.messages} sends acknowledged: {prod}")
+        out = {"produce_msgs_s": args.messages / prod["secs"], "p99_ms": prod["p99_ms"],
+               **cpu_delta("produce", cpu0, group_cpu(g, mount))}
+        C.wait_until(lambda: B.caught_up(stores[1], stores[0], [TOPIC], QUEUES), 120,
+                     "the slave dispatching every message")
+        if mount:
+            out["tiered_evicted"] = group_evicted(mount, root)
+        syncs = B.sync_sets(master)
+        slave.stop_broker(signal.SIGTERM)  # the slave first: the controller must not promote it
+        master.stop_broker(signal.SIGTERM)
+        for d in (*stores, *backing):
+            drop_cache(d)
+        master.start_broker(g.conf(0))
+        g.first_ack(run / "probe-restart", PROBE, args.body)
+        slave.start_broker(g.conf(1))
+        wait_in_sync(g, syncs + 1)
+        g.first_ack(run / "probe-rejoin", PROBE, args.body)  # acknowledged by both
+        cpu0 = group_cpu(g, mount)
+        cons = check_read(name, master.client("consume", g.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages,
+                                               args.body, f"lagging-{name}", acked, timeout=600))
+        out.update(read_msgs_s=args.messages / cons["secs"], **cpu_delta("read", cpu0, group_cpu(g, mount)))
+        if mount:
+            out["read_fetch_MiB"] = (fetched(mount) - cpu0["fetched"]) / (1 << 20)
+        killed_ms = int(time.time() * 1000)
+        master.stop_broker(signal.SIGKILL)
+        out["failover_s"] = (g.first_ack(run / "probe-failover", PROBE, args.body) - killed_ms) / 1000
+        cons = check_read(name, slave.client("consume", g.ns_addr, B.BROKER_NAME, TOPIC, QUEUES, 0, args.messages,
+                                             args.body, f"after-failover-{name}", acked, timeout=600))
+        out["new_master_read_msgs_s"] = args.messages / cons["secs"]
+    finally:
+        g.close()
+    C.log(f"group {name}: {out}")
+    return out
+
+
+def wait_in_sync(g: B.BrokerGroup, syncs: int) -> None:
+    """The master has logged `syncs` sync state sets of two members: the slave is in it."""
+    C.wait_until(lambda: B.in_sync(g.members[0], syncs), 90, "the slave joining the sync state set")
+
+
+def check_read(name: str, cons: dict) -> dict:
+    if cons["bad"] or cons["missing"]:
+        raise SystemExit(f"{name}: a read got wrong or missing messages: {cons}")
+    return cons
+
+
+def group_cpu(g: B.BrokerGroup, mount: C.TierfsMount | None) -> dict[str, float]:
+    """CPU seconds of both brokers (and the tierfs daemon), and the bytes tierfs has fetched from the tier."""
+    return {"broker": sum(B.cpu_seconds(m.broker.pid) for m in g.members if m.broker and B.pid_alive(m.broker.pid)),
+            **({"daemon": C.daemon_cpu_seconds(mount.pid), "fetched": fetched(mount)} if mount else {})}
+
+
+def fetched(mount: C.TierfsMount) -> float:
+    return float(mount.status()["totals"]["engine"]["fetch_bytes"])
+
+
+def cpu_delta(phase: str, a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {f"{phase}_{k}_cpu_s": b[k] - a[k] for k in a if k != "fetched"}
+
+
+def group_evicted(mount: C.TierfsMount, root: Path) -> dict[str, list[int]]:
+    """Each store root has tiered CommitLog segments, all but at most its newest tiered one evicted, and the
+    upload backlog is empty; once it is, `tierfs evict` makes a pass every 5 s (as tests/test_broker.py does).
+    Per store root: [CommitLog segments, tiered, evicted]."""
+    pressed, seen = [0.0], {}
+
+    def done() -> bool:
+        st = mount.status()
+        rows = [f for f in st["files"] if f["kind"] == "commitlog"]
+        good = st["totals"]["upload_backlog_files"] == 0
+        for r in GROUP_ROOTS:
+            mine = [f for f in rows if f["path"].startswith(f"{r}/")]
+            tiered = [f for f in mine if f["state"] == "tiered"]
+            evicted = sum(f["resident_bytes"] < f["size"] for f in tiered)
+            seen[r] = [len(mine), len(tiered), evicted]
+            good = good and bool(tiered) and evicted >= max(1, len(tiered) - 1)
+        if not good and st["totals"]["upload_backlog_files"] == 0 and time.monotonic() - pressed[0] > 5:
+            subprocess.run([C.PY, "-m", "tierfs", "evict", str(root)], capture_output=True, timeout=60, cwd="/",
+                           env=mount.env, check=True)
+            pressed[0] = time.monotonic()
+        return good
+
+    C.wait_until(done, 180, "both stores' CommitLog segments tiered and evicted",
+                 progress=lambda: tiering_progress(mount))
+    return seen
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -373,6 +374,39 @@ class BrokerGroup:
         """Every broker, then the name server and controller, by pid."""
         for m in reversed(self.members):
             m.close()
+
+    def first_ack(self, probe: Path, topic: str, body: int, timeout: float = 120) -> int:
+        """One-message sends to `topic` (one queue) until one is acknowledged by whichever member is the master;
+        the epoch-ms of that acknowledgement. Each try is a client JVM of its own (a second or two of start-up
+        in every figure taken with it); its acknowledgements go to PROBE-N and PROBE-N.ms."""
+        deadline = time.monotonic() + timeout
+        tries = 0
+        while True:
+            tries += 1
+            acked = Path(f"{probe}-{tries}")
+            if self.members[0].client("produce", self.ns_addr, BROKER_NAME, topic, 1, tries, 1, body, 1,
+                                      acked)["acked"] == 1:
+                return int.from_bytes(Path(f"{acked}.ms").read_bytes()[:8], "big")
+            if time.monotonic() > deadline:
+                raise BrokerError(f"no send to {topic} acknowledged by a master in {timeout}s ({tries} tries)")
+            time.sleep(0.2)
+
+
+def sync_sets(master: RocketMQ) -> int:
+    """How many sync state sets of two brokers the master has logged (5.x controller mode)."""
+    return len(re.findall(r"syncStateSet has been changed into \[\d+, \d+\]", master.broker_log()))
+
+
+def in_sync(master: RocketMQ, changes: int) -> bool:
+    """The master has logged at least `changes` sync state sets of two brokers."""
+    return sync_sets(master) >= changes
+
+
+def caught_up(follower: Path, leader: Path, topics: Sequence[str], queues: int) -> bool:
+    """Every ConsumeQueue of `topics` in the follower's store has as many units as the leader's: it replicated
+    (and dispatched) everything the leader has."""
+    qs = [Path(t) / str(q) for t in topics for q in range(queues)]
+    return all(queue_offset(follower / "consumequeue" / q) == queue_offset(leader / "consumequeue" / q) for q in qs)
 
 
 # Segment geometry shared by broker.conf and the tierfs options (tierfs must know the IndexFile size).

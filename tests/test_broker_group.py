@@ -163,9 +163,7 @@ def stored_bytes(env: GroupEnv, root: str) -> int:
 def caught_up(env: GroupEnv, follower: str, leader: str) -> bool:
     """Every ConsumeQueue of the follower has as many units as the leader's: it replicated (and dispatched)
     everything the leader has."""
-    qs = [Path(t) / str(q) for t in TOPICS.split(",") for q in range(QUEUES)]
-    return all(B.queue_offset(env.path(follower) / "consumequeue" / q) ==
-               B.queue_offset(env.path(leader) / "consumequeue" / q) for q in qs)
+    return B.caught_up(env.path(follower), env.path(leader), TOPICS.split(","), QUEUES)
 
 
 def _start(env: GroupEnv, report: dict) -> None:
@@ -175,7 +173,7 @@ def _start(env: GroupEnv, report: dict) -> None:
         g.start()
     with timed(report, "start: in sync"):
         if g.controller:  # the first broker registered is elected; the second joins the sync state set
-            wait_for(lambda: in_sync(g.members[0], 1), 90, 0.5, what="the slave joining the sync state set")
+            wait_for(lambda: B.in_sync(g.members[0], 1), 90, 0.5, what="the slave joining the sync state set")
     with timed(report, "start: topics"):
         env.client("topics", g.ns_addr, g.members[0].broker_addr, QUEUES, *TOPICS.split(","), f"{PROBE}:1")
     # a send before the slave's HA connection is up waits its syncFlushTimeout out and fails; and a 4.9 slave
@@ -189,11 +187,6 @@ def _start(env: GroupEnv, report: dict) -> None:
     wait_for(lambda: all(t in _read(env.path(env.roots[1]) / "config" / "topics.json")
                          for t in (*TOPICS.split(","), PROBE)),
              60, 0.5, what="the slave synchronising the topic configs")
-
-
-def in_sync(master: B.RocketMQ, changes: int) -> bool:
-    """The master has logged at least `changes` sync state sets of two brokers (5.x controller mode)."""
-    return len(re.findall(r"syncStateSet has been changed into \[\d+, \d+\]", master.broker_log())) >= changes
 
 
 def _read(path: Path) -> str:
@@ -270,15 +263,7 @@ def kill_and_wait_promotion(env: GroupEnv, dead: int, report: dict, step: str) -
 def wait_master(env: GroupEnv, step: str) -> int:
     """One-message sends to the probe topic until one is acknowledged (by whichever member is the master);
     the epoch-ms of that acknowledgement."""
-    tries = [0]
-
-    def acknowledged() -> bool:
-        tries[0] += 1
-        probe = env.base / f"acked-probe-{step}-{tries[0]}"
-        return env.produce_group(tries[0], 1, probe, topics=PROBE, queues=1, threads=1)["acked"] == 1
-
-    wait_for(acknowledged, 120, 0.2, what=f"a send acknowledged by a master ({step})")
-    return int.from_bytes((env.base / f"acked-probe-{step}-{tries[0]}.ms").read_bytes()[:8], "big")
+    return env.group.first_ack(env.base / f"acked-probe-{step}", PROBE, BODY)
 
 
 def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
@@ -311,7 +296,7 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
         syncs = len(re.findall(r"syncStateSet has been changed into", g.members[1].broker_log()))
         g.members[0].start_broker(g.conf(0))
         wait_for(lambda: caught_up(env, a, b), 180, 0.5, what="the old master catching up as a slave")
-        wait_for(lambda: in_sync(g.members[1], syncs + 1), 90, 0.5,
+        wait_for(lambda: B.in_sync(g.members[1], syncs + 1), 90, 0.5,
                  what="the old master back in the sync state set")
     old_log = g.members[0].broker_log()
     assert "Begin to change to slave" in old_log, old_log[-3000:]
@@ -360,7 +345,7 @@ def test_unclean_election_truncates_tiered_segments(controller_group: GroupEnv):
         g.members[0].start_broker(g.conf(0))
         wait_for(lambda: re.search(TRUNCATED, g.members[0].broker_log()) is not None, 120, 0.5,
                  what="node0 truncating its CommitLog to node1's epoch")
-        wait_for(lambda: in_sync(g.members[1], syncs + 1), 120, 0.5, what="node0 back in the sync state set")
+        wait_for(lambda: B.in_sync(g.members[1], syncs + 1), 120, 0.5, what="node0 back in the sync state set")
     point = int(re.findall(TRUNCATED, g.members[0].broker_log())[-1])
     segment = point - point % B.COMMITLOG_BYTES
     assert segment in tiered, f"node0 truncated to {point}, in segment {segment}: not one it had tiered {tiered}"
