@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 import brokerutil as B
@@ -372,9 +371,12 @@ def run_pipeline(env: Env, topics: str, n: int) -> None:
     files = {f["path"]: f for f in env.status()["files"]}
     assert all(files[p]["format"] == "lz4c" for p in data), [files[p]["format"] for p in data]
     entries = sum(len(list(dledger.iter_entries((env.mnt / p).read_bytes()))) for p in data)
-    parts = [p for p in env.objects.rglob("*.parquet") if "/archive/" in str(p)]
-    assert parts and all("dledger-n0~" in p.name for p in parts)
-    assert sum(pq.ParquetFile(p).metadata.num_rows for p in parts) >= entries
+    from deltalake import DeltaTable  # archive.format = "delta", the default: one table beside the objects
+
+    segments = DeltaTable(str(env.objects / "tables" / "messages")).to_pyarrow_table(
+        columns=["segment"]).column("segment").to_pylist()
+    assert segments and all(s.startswith("dledger-n0/data/") for s in segments), sorted(set(segments))[:5]
+    assert len(segments) >= entries
     names = topics.split(",")
     for seq in range(0, n, n // 5):
         q = env.mount.cli("query", env.mnt, "--topic", names[seq % len(names)], "--key", f"K{seq}", "--json")
