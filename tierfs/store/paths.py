@@ -31,6 +31,8 @@ class Kind(str, enum.Enum):
 
 
 # ASCII digits and fullmatch: `\d` also takes other scripts' digits, and `$` matches before a trailing newline
+# the logs whose files hold the message records (ConsumeQueue units point into them; the archive reads them)
+MESSAGE_LOGS = frozenset((Kind.COMMITLOG, Kind.DLEDGER_DATA))
 _OFFSET = re.compile(r"[0-9]{20}")
 _INDEX = re.compile(r"[0-9]{17}")
 _QUEUE_ID = re.compile(r"-?[0-9]+")

@@ -44,7 +44,7 @@ import trio
 from tierfs import failpoints
 from tierfs.objectstore.base import ObjectNotFound, ObjectStoreError
 from tierfs.store.consumequeue import UNIT_SIZE as CQ_UNIT
-from tierfs.store.paths import Kind, split_root
+from tierfs.store.paths import MESSAGE_LOGS, Kind, split_root
 from tierfs.tier import layout, lz4c, units
 from tierfs.tier.bufferpool import Buffer, BufferPool
 from tierfs.tier.catalog import Entry, State, unit_count
@@ -64,7 +64,6 @@ NAMED_HOLD_SECONDS = 10.0  # a CommitLog whose records a ConsumeQueue named gets
 NAMED_UNITS_PER_READ = 4096  # ConsumeQueue units looked at per read for layout-aware prefetch (~1 ms of parsing)
 _CQ_UNIT = struct.Struct(">qiq")  # ConsumeQueue unit: CommitLog offset, record size, tags code
 _PRE_BLANK_SIZE = (1 << 31) - 1
-_MESSAGE_LOGS = (Kind.COMMITLOG.value, Kind.DLEDGER_DATA.value)  # the logs ConsumeQueue units point into
 INSTALL_THREADS = 2  # hot-file installs in flight at once: page-cache writes, a few are enough
 NAMED_GET_BYTES = 1 << 20  # a named prefetch's coalesced GET at most (records of one ConsumeQueue page)
 UNITS_PER_GET = 256  # verification units one GET fetches at most (1 MiB of 4 KiB units: a large random read, one GET)
@@ -240,7 +239,7 @@ class BlockCache:
         self._pin_installs: set[tuple[int, int, int]] = set()  # ... being written into the hot file
         self._install_limiter = trio.CapacityLimiter(INSTALL_THREADS)
         # store root -> (its message log's file size, the log's dir with a trailing '/', when found)
-        self._commitlog_size: dict[str, tuple[int, str, float]] = {}
+        self._message_log_of: dict[str, tuple[int, str, float]] = {}
         self._named: dict[int, float] = {}  # CommitLog file id -> when a ConsumeQueue page last named its records
         self._peeked: dict[int, float] = {}  # ... named by a pinned page (no prefetch): random reads by blocks
         self._stream_file: dict[int, int] = {}  # FUSE file handle -> file id it opened (or read)
@@ -729,15 +728,15 @@ class BlockCache:
         files of its DLedger CommitLog (`dledger-<id>/data/`, named by offset and holding the same records at
         the offsets the units name). The size (mappedFileSizeCommitLog: every sealed file has it) comes from a
         tiered file of the log; looked up again at most every 10 s while none is known."""
-        size, prefix, when = self._commitlog_size.get(root, (0, "", 0.0))
+        size, prefix, when = self._message_log_of.get(root, (0, "", 0.0))
         now = time.monotonic()
         if size or now - when < 10.0:
             return size, prefix
         for c in self.eng.tiered.values():
-            if c.kind in _MESSAGE_LOGS and split_root(c.path)[0] == root:
+            if c.kind in MESSAGE_LOGS and split_root(c.path)[0] == root:
                 size, prefix = c.size, c.path.rpartition("/")[0] + "/"
                 break
-        self._commitlog_size[root] = (size, prefix, now)
+        self._message_log_of[root] = (size, prefix, now)
         return size, prefix
 
     @staticmethod

@@ -37,7 +37,7 @@ from tierfs import failpoints
 from tierfs.config import parse_retention
 from tierfs.objectstore import ObjectStore
 from tierfs.store import cidx
-from tierfs.store.paths import Kind
+from tierfs.store.paths import MESSAGE_LOGS, Kind
 from tierfs.tier import layout, lz4c
 from tierfs.tier.catalog import Artifact, Entry, State
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierfs.compaction")
 
 STAGES = ("segments", "index", "archive")
-_ARCHIVED_KINDS = (Kind.COMMITLOG.value, Kind.DLEDGER_DATA.value)  # segments of messages: the archive reads them
 KEEP_JOB_DIRS = 20
 VERIFY_BATCH_BLOCKS = 16
 
@@ -258,7 +257,7 @@ class Compactor:
             "indexes": [seg_record(e) for e in tiered if "index" in job.stages and e.kind == Kind.INDEX.value
                         and (e.path, "cidx", e.generation) not in have],
             "commitlogs": [seg_record(e) for e in tiered if "archive" in job.stages
-                           and e.kind in _ARCHIVED_KINDS and (e.path, "archive", e.generation) not in have],
+                           and e.kind in MESSAGE_LOGS and (e.path, "archive", e.generation) not in have],
             "max_hash_slot_num": int(self.config["broker.max_hash_slot_num"]),
             "max_index_num": int(self.config["broker.max_index_num"]),
             "retention": retention,
