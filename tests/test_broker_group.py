@@ -239,17 +239,20 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
           f"{sum(stored.values()) / stored['master']:.2f}")
 
 
-@pytest.fixture(scope="module")
-def controller_group(tmp_path_factory):
-    """One 5.5.0 controller-mode group for the tests below, which run in order on it."""
-    report = REPORT.setdefault("5.5.0 controller", {})
-    env = GroupEnv("5.5.0", tmp_path_factory.mktemp("controller-group"), controller=True, roots=("node0", "node1"))
+@pytest.fixture(scope="module", params=("one mount", "two mounts"))
+def controller_group(request, tmp_path_factory):
+    """One 5.5.0 controller-mode group for the tests below, which run in order on it: its two brokers' stores on
+    one mount, then (a second group) each on a mount of its own."""
+    report = REPORT.setdefault(f"5.5.0 controller, {request.param}", {})
+    env = GroupEnv("5.5.0", tmp_path_factory.mktemp("controller-group"), controller=True, roots=("node0", "node1"),
+                   two_mounts=request.param == "two mounts")
+    env.report = report
     try:
         _start(env, report)
         yield env
     finally:
         env.close()
-        print(f"\nbroker group 5.5.0 controller mode step seconds: {report}")
+        print(f"\nbroker group 5.5.0 controller mode, {request.param}, step seconds: {report}")
 
 
 def kill_and_wait_promotion(env: GroupEnv, dead: int, report: dict, step: str) -> None:
@@ -267,11 +270,11 @@ def wait_master(env: GroupEnv, step: str) -> int:
 
 
 def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
-    """5.5.0 controller mode on one mount. kill -9 of the master: the controller promotes the slave, which serves
+    """5.5.0 controller mode, on one mount and on two. kill -9 of the master: the controller promotes the slave, which serves
     all history (its evicted segments) and takes new writes; the old master restarts as a slave, truncates to
     the new master's epoch and catches up on tierfs; kill -9 of the new master hands the group back to it, and it
     serves every message acknowledged by either."""
-    env, report = controller_group, REPORT["5.5.0 controller"]
+    env, report = controller_group, controller_group.report
     g, (a, b) = env.group, env.roots
     first, second, merged = env.base / "acked-1", env.base / "acked-2", env.base / "acked-all"
     m2 = 10_000
@@ -320,8 +323,9 @@ def test_unclean_election_truncates_tiered_segments(controller_group: GroupEnv):
     its CommitLog to node1's epoch: into a tiered, evicted segment (tierfs rewrites it as a hot file) and past it
     (whole tiered segments deleted). It then holds node1's bytes exactly, and after a last failover serves every
     message acknowledged but those the unclean election gave up (which are gone, as RocketMQ intends)."""
-    env, report = controller_group, REPORT["5.5.0 controller"]
+    env, report = controller_group, controller_group.report
     g, (a, b) = env.group, env.roots
+    node0_mount = env.places[a].mount
     before = N + 10_000  # what the test above acknowledged
     lost, third, fourth = 30_000, env.base / "acked-3", env.base / "acked-4"
     with timed(report, f"produce {lost} to node0 alone"):
@@ -330,7 +334,7 @@ def test_unclean_election_truncates_tiered_segments(controller_group: GroupEnv):
     # 7.5 MiB past node1's end: node0 fills and seals the segment node1's end lies in (and more after it)
     wait_tiered_and_evicted(env, (a,), 6)
     tiered = {int(f["path"].rsplit("/", 1)[1]) for f in env.rows(a) if f["state"] == "tiered"}
-    rewrites = env.mount.log_text().count("re-materialising")
+    rewrites = node0_mount.log_text().count("re-materialising")
     assert g.members[0].stop_broker(signal.SIGKILL) == -signal.SIGKILL
     with timed(report, "unclean election of node1"):
         g.members[0].stop_controller()
@@ -349,7 +353,7 @@ def test_unclean_election_truncates_tiered_segments(controller_group: GroupEnv):
     point = int(re.findall(TRUNCATED, g.members[0].broker_log())[-1])
     segment = point - point % B.COMMITLOG_BYTES
     assert segment in tiered, f"node0 truncated to {point}, in segment {segment}: not one it had tiered {tiered}"
-    assert env.mount.log_text().count("re-materialising") > rewrites, "no tiered segment was rewritten"
+    assert node0_mount.log_text().count("re-materialising") > rewrites, "no tiered segment was rewritten"
     wait_tiered_and_evicted(env, env.roots, 6)
     same = identical_sealed_segments(env, a, b)
     kill_and_wait_promotion(env, 1, report, "4")
