@@ -47,3 +47,15 @@ def test_small_reads_near_but_not_after_the_last_one_stay_random():
     ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
     ra.on_read(0, 128 << 10)
     assert ra.on_read(384 << 10, 512 << 10) == 4  # a large read out of order
+
+
+def test_the_read_ahead_horizon_is_forgotten_on_a_jump():
+    """`ahead` (how far the engine's read-ahead already asked, so a read looks only past it) survives sequential
+    reads and is forgotten by a random jump: blocks below it were never asked for on the new course."""
+    ra = ReadAhead(initial=2, batch=2, maximum=16, tolerance=MiB)
+    ra.on_read(0, MiB)
+    ra.ahead = (7, 16)
+    ra.on_read(MiB, 2 * MiB)
+    assert ra.ahead == (7, 16)
+    assert ra.on_read(500 * MiB, 501 * MiB) == 0
+    assert ra.ahead is None

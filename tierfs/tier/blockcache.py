@@ -303,6 +303,7 @@ class BlockCache:
                     eng.stats.reads_local += 1
                 return data
             waited = True
+            stream.ahead = None  # a block the read-ahead asked for is missing (dropped, or a fetch failed): look again
             if window:
                 self._prefetch(e, stream, missing[-1] + 1, window)
             if unit_gaps:
@@ -350,8 +351,8 @@ class BlockCache:
         block lands): write it there in a worker thread, so the page stays local from now on as DESIGN §4 wants
         (the evictor never punches it). Not while the file is being rewritten. No await."""
         fid, gen, bb = e.file_id, e.generation, e.block_bytes
-        if (off, end) not in self.kept_pins(e) or fid in self._frozen:
-            return
+        if end - off > PAGE or (off, end) not in self.kept_pins(e) or fid in self._frozen:
+            return  # (a pinned page is one page at most: a large read is never one)
         key = (fid, gen, off)
         blocks = range(off // bb, (end - 1) // bb + 1)
         if key in self._pin_installs or all(e.is_resident(b) or (fid, gen, b) in self.installing for b in blocks):
@@ -614,16 +615,23 @@ class BlockCache:
         group = self._group_blocks(e.block_bytes)
         hi = min(-(-min(start + window, e.nblocks) // group) * group, e.nblocks)
         fid, gen, pool = e.file_id, e.generation, self.pool
+        ahead = stream.ahead
+        if ahead is not None and ahead[0] == gen:  # what an earlier read of this stream asked for is not looked at
+            if ahead[1] >= hi:  # again (each read moves the window by a block: one look per block, not per read)
+                return
+            start = max(start, ahead[1])
         want = [b for b in range(start, hi)
                 if not e.is_resident(b) and (fid, gen, b) not in self.inflight and (fid, gen, b) not in pool]
         for first, n in block_runs(e, want, group):
             nbytes = n * e.block_bytes
             # what is in flight plus what arrived and is not read yet: a reader slower than the store stops it
             if self.prefetch_inflight + pool.unread_bytes + nbytes > budget:
+                stream.ahead = (gen, first)
                 return
             self.prefetch_inflight += nbytes
             stream.prefetched.update(range(first, first + n))
             self._start_fetch(e, first, n, prefetch=True, scan=True)
+        stream.ahead = (gen, hi)
 
     def _group_blocks(self, block_bytes: int) -> int:
         """Blocks per read-ahead GET: PREFETCH_GROUP_BYTES, or a quarter of readahead.budget_bytes when that is

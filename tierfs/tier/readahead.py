@@ -10,7 +10,8 @@ SCAN_START_BYTES = 64 << 10
 
 
 class ReadAhead:
-    __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched", "streak")
+    __slots__ = ("initial", "batch", "maximum", "window", "next_expected", "tolerance", "prefetched", "streak",
+                 "ahead")
 
     def __init__(self, initial: int = 2, batch: int = 2, maximum: int = 64, tolerance: int = 1 << 20):
         self.initial, self.batch, self.maximum = initial, batch, maximum
@@ -19,6 +20,9 @@ class ReadAhead:
         self.tolerance = tolerance  # kernel read-ahead and mmap faults arrive slightly out of order
         self.prefetched: set[int] = set()
         self.streak = False  # the last read was sequential
+        # (generation, block): the engine's read-ahead already asked for every block it wanted below `block`, so
+        # the next read need only look past it (None: look from the read on; a jump or a wait forgets it)
+        self.ahead: tuple[int, int] | None = None
 
     def on_read(self, off: int, end: int) -> int:
         """Record a read of [off, end); return how many blocks to keep prefetched beyond `end` (0 = random)."""
@@ -33,6 +37,8 @@ class ReadAhead:
             self.window = min(self.window + self.batch, self.maximum)
         elif self.next_expected is not None:
             self.window = self.initial
+        if not sequential:
+            self.ahead = None
         self.next_expected = max(end, self.next_expected or 0) if sequential else end
         # a large read at offset 0 starts a scan (cat, cp); a small one is a header peek (the broker reads every
         # IndexFile's and segment's first page at start-up) and must not pull a read-ahead window in
