@@ -366,6 +366,7 @@ class SoakWriter:
     def run(self) -> None:
         m = self.m
         rate, seconds = self.p["rate"], self.p["seconds"]
+        limit = self.p.get("messages", 0)  # stop after this many (0: by time, or when told)
         for d in ("commitlog", "consumequeue", "index"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         flusher = threading.Thread(target=self._flush_loop, name="flush", daemon=True)
@@ -382,6 +383,8 @@ class SoakWriter:
                     now = time.monotonic()
                     if seconds and now - t0 >= seconds:
                         break
+                if limit and seq >= limit:
+                    break
                     if now >= next_progress:
                         self.seq = seq
                         self._progress(now - t0)
