@@ -132,3 +132,29 @@ def test_segments_can_be_deleted_when_the_disk_is_full(small_disk, mount_store):
     m.remount()
     assert not any(f["path"] in rels for f in m.status()["files"]), "a deleted segment came back after the remount"
     assert not any((m.mnt / rel).exists() for rel in rels)
+
+
+def test_catalog_still_commits_after_the_broker_took_a_release(small_disk):
+    """The reserve's blocks, once given back, are anyone's: a broker still writing takes them at once. A CI run
+    (test_segments_can_be_deleted_when_the_disk_is_full) had a background commit find the disk full while the
+    filler was still writing; the filler took the whole reserve, and all 40 unlinks then answered EIO. The reserve
+    now goes back half at a time, so commits after that still find some. Old code: SQLITE_FULL here."""
+    from tierfs.tier.catalog import Catalog
+    from tierfs.tier.spacereserve import SpaceReserve
+
+    state = small_disk / "state"
+    state.mkdir()
+    reserve = SpaceReserve(state / "catalog.reserve", 4 << 20)
+    assert reserve.armed
+    cat = Catalog(state / "catalog.db", reserve)
+    _fill(small_disk / "broker")
+    assert reserve.release()  # a first commit that found the disk full ...
+    _fill(small_disk / "broker-more")  # ... and the broker, still writing, took what it gave back
+    for i in range(60):  # each commit grows the WAL: every one of them needs blocks
+        cat.queue_deletes([f"sid/seg/consumequeue/T/{i}/{j:020d}/1.raw/000000" for j in range(50)], 0.0)
+    assert reserve.releases >= 2 and not reserve.armed
+    (small_disk / "broker").unlink()
+    (small_disk / "broker-more").unlink()
+    reserve.maybe_rearm()  # the disk has room again: whole once more (when due)
+    reserve._next_try = 0.0
+    assert reserve.arm() and reserve.held == 4 << 20 and os.path.getsize(state / "catalog.reserve") == 4 << 20

@@ -196,19 +196,20 @@ NEVER = 1e18
 HELD = "held:"  # object_refs holder of an unlinked file still open, followed by its file id
 
 def _retry_when_full(method: Callable) -> Callable:
-    """A write that finds the disk full (SQLITE_FULL; the transaction is rolled back) is run once more after
-    the catalog's space reserve is given back (tierfs.tier.spacereserve): the methods are pure database work,
-    so running one again is running it once."""
+    """A write that finds the disk full (SQLITE_FULL; the transaction is rolled back) is run again after some of
+    the catalog's space reserve is given back (tierfs.tier.spacereserve), while there is some to give: the
+    methods are pure database work, so running one again is running it once."""
 
     @functools.wraps(method)
     def run(self: Catalog, *args, **kwargs):
-        try:
-            out = method(self, *args, **kwargs)
-        except sqlite3.OperationalError as e:
-            if getattr(e, "sqlite_errorname", "") != "SQLITE_FULL" or self.reserve is None \
-                    or not self.reserve.release():
-                raise
-            out = method(self, *args, **kwargs)
+        while True:
+            try:
+                out = method(self, *args, **kwargs)
+                break
+            except sqlite3.OperationalError as e:
+                if getattr(e, "sqlite_errorname", "") != "SQLITE_FULL" or self.reserve is None \
+                        or not self.reserve.release():
+                    raise
         if self.reserve is not None:
             self.reserve.maybe_rearm()
         return out
