@@ -180,11 +180,28 @@ public final class BrokerClient {
             TopicConfig tc = new TopicConfig(nq[0]);
             tc.setReadQueueNums(queues);
             tc.setWriteQueueNums(queues);
-            admin.createAndUpdateTopicConfig(a[2], tc);
+            createTopic(admin, a[2], tc);
         }
         Map<String, Object> out = new HashMap<>();
         out.put("created", a.length - 4);
         return out;
+    }
+
+    /** Create (or update: idempotent) a topic on the broker, asking again while the broker does not answer in
+     *  time (2 minutes at most): a broker just started on a loaded machine (a cold JVM, a DLedger member not yet
+     *  its group's leader) let the admin call time out after 5 s in a CI run. */
+    static void createTopic(DefaultMQAdminExt admin, String broker, TopicConfig tc) throws Exception {
+        long deadline = System.currentTimeMillis() + 120_000;
+        while (true) {
+            try {
+                admin.createAndUpdateTopicConfig(broker, tc);
+                return;
+            } catch (org.apache.rocketmq.remoting.exception.RemotingException e) {  // timeout, connect, send
+                if (System.currentTimeMillis() > deadline) throw e;
+                System.err.println("createTopic " + tc.getTopicName() + " on " + broker + ": " + e + "; again");
+                Thread.sleep(500);
+            }
+        }
     }
 
     static Map<String, Object> deltopic(String[] a) throws Exception {
@@ -201,7 +218,7 @@ public final class BrokerClient {
             TopicConfig tc = new TopicConfig(a[3]);
             tc.setReadQueueNums(Integer.parseInt(a[4]));
             tc.setWriteQueueNums(Integer.parseInt(a[4]));
-            admin.createAndUpdateTopicConfig(a[2], tc);
+            createTopic(admin, a[2], tc);
         }
         Map<String, Object> out = new HashMap<>();
         out.put("deleted", a[3]);
