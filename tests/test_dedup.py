@@ -201,3 +201,25 @@ def test_a_shared_object_goes_only_with_the_last_row_naming_it(tmp_path):
     assert cat.swap(lz4c, slave.all_objects(), 0.0)  # compacted: the raw objects are the authority's to free
     assert sorted(refs.claim(time.time())) == sorted([chunk, table])
     cat.close()
+
+
+def test_a_lost_shared_object_is_put_again_by_the_next_upload_of_its_bytes(mount_store, reference_store):
+    """upload.dedup=on: a chunk object a row names is lost (deleted behind the mount's back); the next upload of
+    the same bytes finds it named, checks it as it checks its own PUTs, finds it missing and puts it again, so
+    the first row's segment reads back again too."""
+    m = mount_store(options=[TIER_OPTS.replace("cache.max_bytes=2MiB", "cache.max_bytes=1GiB")
+                             + ",upload.dedup=on"])
+    copy_in(reference_store, m.mnt)
+    first = "commitlog/" + sorted(p.name for p in (reference_store / "commitlog").iterdir())[0]
+    wait_for(lambda: by_path(m).get(first, {}).get("state") == "tiered", timeout=60, what="tiered")
+    keys = by_path(m)[first]["objects"]
+    assert all(CAS in k for k in keys), keys
+    (m.state_dir / "objects" / keys[1]).unlink()  # lost
+    (m.mnt / "again").mkdir()
+    copy_in(reference_store, m.mnt / "again")
+    wait_for(lambda: by_path(m).get(f"again/{first}", {}).get("state") == "tiered", timeout=60,
+             what="the second copy tiered")
+    assert by_path(m)[f"again/{first}"]["objects"] == keys
+    assert f"content-addressed object {keys[1]}, which a row names, is missing" in m.log_text(), m.log_tail()
+    evict_all(m, [first])
+    assert (m.mnt / first).read_bytes() == (reference_store / first).read_bytes()

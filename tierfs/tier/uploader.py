@@ -36,7 +36,7 @@ import crc32c
 import trio
 
 from tierfs import failpoints
-from tierfs.objectstore.base import Fenced, ObjectStoreError
+from tierfs.objectstore.base import Fenced, ObjectNotFound, ObjectStoreError
 from tierfs.tier import layout, sealcopy, units
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
@@ -402,21 +402,21 @@ class Uploader:
                 block_crcs += [crc32c.crc32c(mv[b:b + e.block_bytes]) for b in range(0, len(data), e.block_bytes)]
                 if unit:
                     unit_crcs.append(units.table(mv, unit))
-                if stored:
-                    copied[1] += len(data)
-                elif not self._compose(fd, key, off, len(data), chunk_crc, tail, same, copied):
+                if stored and self._verified(key, data, chunk_crc, verify_full):
+                    copied[1] += len(data)  # another row's identical chunk, checked as our own PUT would be
+                    failpoints.hit("tier.chunk_put")
+                    continue
+                if stored:  # named by a row, yet missing or damaged: put it again (for that row too)
+                    log.warning("%s: content-addressed object %s, which a row names, is missing or differs; "
+                                "putting it again", e.path, key)
+                if not self._compose(fd, key, off, len(data), chunk_crc, tail, same, copied):
                     if self.bandwidth is not None:
                         self.bandwidth.acquire(len(data))  # shared by every uploader thread
                     eng.store.put(key, data, metadata={"crc32c": f"{chunk_crc:08x}"})
                 failpoints.hit("tier.chunk_put")
-                if verify_full:
-                    back = eng.store.get(key)
-                    if len(back) != len(data) or crc32c.crc32c(back) != chunk_crc:
-                        raise ObjectStoreError(key, "verification failed: the object differs from what was put")
-                else:
-                    info = eng.store.head(key)
-                    if info is None or info.size != len(data):
-                        raise ObjectStoreError(key, "verification failed: size mismatch")
+                if not self._verified(key, data, chunk_crc, verify_full):
+                    raise ObjectStoreError(key, "verification failed: the object differs from what was put "
+                                                "(size, or crc32c with upload.verify=full)")
         finally:
             os.close(fd)
         if not unit:
@@ -424,12 +424,23 @@ class Uploader:
         packed = b"".join(unit_crcs)
         tkey, stored = self._content_key(e, packed) if content else (held[-1], False)
         eng.fence(tkey)
-        if not stored:
-            eng.store.put(tkey, packed, metadata={"crc32c": f"{crc32c.crc32c(packed):08x}"})
-        info = eng.store.head(tkey)
-        if info is None or info.size != len(packed):
-            raise ObjectStoreError(tkey, "verification failed: size mismatch")
+        tcrc = crc32c.crc32c(packed)
+        if not (stored and self._verified(tkey, packed, tcrc, False)):
+            eng.store.put(tkey, packed, metadata={"crc32c": f"{tcrc:08x}"})
+            if not self._verified(tkey, packed, tcrc, False):
+                raise ObjectStoreError(tkey, "verification failed: size mismatch")
         return crc, block_crcs, keys, (unit, b"", units.make_ref(tkey, packed))
+
+    def _verified(self, key: str, data: bytes, crc: int, full: bool) -> bool:
+        """Blocking: the stored object `key` holds `data` (crc32c `crc`): read back in full, or its size only."""
+        try:
+            if full:
+                back = self.eng.store.get(key)
+                return len(back) == len(data) and crc32c.crc32c(back) == crc
+            info = self.eng.store.head(key)
+        except ObjectNotFound:
+            return False
+        return info is not None and info.size == len(data)
 
     def _content_key(self, e: Entry, data: bytes) -> tuple[str, bool]:
         """Blocking: the content-addressed key of `data`, held for `e`'s upload from now on, and whether a live
