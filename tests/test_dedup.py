@@ -223,3 +223,33 @@ def test_a_lost_shared_object_is_put_again_by_the_next_upload_of_its_bytes(mount
     assert f"content-addressed object {keys[1]}, which a row names, is missing" in m.log_text(), m.log_tail()
     evict_all(m, [first])
     assert (m.mnt / first).read_bytes() == (reference_store / first).read_bytes()
+
+
+def test_compacting_both_replicas_releases_their_shared_raw_objects(mount_store, reference_store):
+    """A compaction job (a real Spark session) rewrites both replicas' tiered CommitLog segments as lz4c objects
+    of their own; each swap queues the shared raw chunks, which the authority deletes only once no row names them:
+    after both swaps, none is left, and both replicas read back from their lz4c objects."""
+    import subprocess
+    import sys
+
+    m = mount_store(options=[TIER_OPTS.replace("cache.max_bytes=2MiB", "cache.max_bytes=1GiB")
+                             + ",compaction.enabled=false,spark.master=local[1]"])
+    for root in ROOTS:
+        (m.mnt / root).mkdir()
+        copy_in(reference_store, m.mnt / root)
+    name = sorted(p.name for p in (reference_store / "commitlog").iterdir())[0]
+    cl = [f"{root}/commitlog/{name}" for root in ROOTS]
+    wait_for(lambda: all(by_path(m).get(p, {}).get("state") == "tiered" for p in cl), timeout=120, what="tiered")
+    raw = named_keys(m, cl)
+    assert raw == named_keys(m, cl[:1]) and all(CAS in k for k in raw), sorted(raw)[:4]
+    r = subprocess.run([sys.executable, "-m", "tierfs", "compact", str(m.mnt), "--json", "--only", "segments"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wait_for(lambda: all(by_path(m)[p]["format"] == "lz4c" for p in cl), timeout=60, what="both rows compacted")
+    lz4c = named_keys(m, cl)
+    assert len(lz4c) == 2 and not lz4c & raw, lz4c
+    wait_for(lambda: pending_deletes(m) == 0 and not raw & set(Objects(m).listing()), timeout=60,
+             what="the raw objects no row names any more deleted")
+    evict_all(m, cl)
+    for p in cl:
+        assert (m.mnt / p).read_bytes() == (reference_store / "commitlog" / name).read_bytes(), p
