@@ -47,15 +47,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -101,6 +103,19 @@ class ObjectStore:
 
     def cpu(self) -> float:
         return C.rgw_cpu_seconds(self.rgw) if self.rgw is not None else 0.0
+
+    def segment_sizes(self, run: Path, name: str, store_id: str) -> dict[str, int]:
+        """key -> size of every segment object (seg/ and cas/) of store id `store_id` of run `name`."""
+        if self.rgw is None:
+            root = run / "objects"
+            return {str(f.relative_to(root)): f.stat().st_size for pre in ("seg", "cas")
+                    for f in (root / store_id / pre).rglob("*") if f.is_file()}
+        client, out = self.rgw.client(), {}  # type: ignore[attr-defined]
+        for pre in ("seg", "cas"):
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                          Prefix=f"{name}/{store_id}/{pre}/"):
+                out.update({o["Key"][len(name) + 1:]: o["Size"] for o in page.get("Contents", [])})
+        return out
 
     def forget(self, name: str) -> None:
         """Delete a finished run's objects (the memstore keeps them in RAM)."""
@@ -434,7 +449,9 @@ def group_bench(args: argparse.Namespace) -> None:
                     opts = [GROUP_TIER_OPTS, objects.options(run, f"group-{i}"), *args.options]
                     with C.TierfsMount(run / "hot", run / "mnt", opts) as mount:
                         results[side] = run_group(side, run, run / "mnt", args, mount,
-                                                  (run / "hot", *objects.backing(run)))
+                                                  (run / "hot", *objects.backing(run)),
+                                                  lambda sid, run=run, i=i: objects.segment_sizes(run, f"group-{i}",
+                                                                                                  sid))
                     objects.forget(f"group-{i}")
                 results[side]["position"] = pos
                 shutil.rmtree(run, ignore_errors=True)
@@ -454,6 +471,8 @@ def group_bench(args: argparse.Namespace) -> None:
           f"fetched from the tier during the lagging read)")
     print("tierfs before the reads, per store root [CommitLog segments, tiered, evicted]: "
           + "; ".join(f"round {i}: {r['tierfs']['tiered_evicted']}" for i, r in enumerate(rounds)))
+    print("stored bytes group/master (one mount: the replicas' identical chunks are one content-addressed object): "
+          + "; ".join(f"round {i}: {r['tierfs']['stored_group_master']:.3f}" for i, r in enumerate(rounds)))
     C.print_table(["ratio (median of per-round paired ratios)", "median", "per round"],
                   [[k, f"{v:.2f}", ", ".join(f"{r[k]:.2f}" for r in per_round)] for k, v in ratios.items()])
     print(f"broker group {VERSION} controller mode, master+slave, {args.messages} messages of {args.body} B, "
@@ -467,7 +486,7 @@ def group_bench(args: argparse.Namespace) -> None:
 
 
 def run_group(name: str, run: Path, root: Path, args: argparse.Namespace, mount: C.TierfsMount | None = None,
-              backing: tuple[Path, ...] = ()) -> dict:
+              backing: tuple[Path, ...] = (), sizes: Callable[[str], dict[str, int]] | None = None) -> dict:
     """One side: the group on store roots below `root`; produce, (tierfs: wait until both stores' sealed
     CommitLog segments are tiered and evicted), restart both brokers with their files dropped from the page
     cache, the lagging read off the master, kill -9 of the master, the failover time, the read off the new
@@ -496,6 +515,8 @@ def run_group(name: str, run: Path, root: Path, args: argparse.Namespace, mount:
                      "the slave dispatching every message")
         if mount:
             out["tiered_evicted"] = group_evicted(mount, root)
+            if sizes is not None:
+                out["stored_group_master"] = stored_group_master(mount, sizes)
         syncs = B.sync_sets(master)
         slave.stop_broker(signal.SIGTERM)  # the slave first: the controller must not promote it
         master.stop_broker(signal.SIGTERM)
@@ -522,6 +543,19 @@ def run_group(name: str, run: Path, root: Path, args: argparse.Namespace, mount:
         g.close()
     C.log(f"group {name}: {out}")
     return out
+
+
+def stored_group_master(mount: C.TierfsMount, sizes: Callable[[str], dict[str, int]]) -> float:
+    """Bytes of every segment object of the group's mount over those the master's rows name (what the master
+    alone would store): 2.00 when each replica's bytes are stored, 1.00 when stored once."""
+    have = sizes(mount.status()["store_id"])
+    db = sqlite3.connect(f"file:{mount.hot / '.tierfs' / 'catalog.db'}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = db.execute("SELECT objects, unit_ref FROM files WHERE path LIKE ?", (f"{GROUP_ROOTS[0]}/%",)).fetchall()
+    finally:
+        db.close()
+    keys = {k for objs, _ in rows for k in json.loads(objs)} | {r.split(":", 2)[2] for _, r in rows if r}
+    return sum(have.values()) / max(1, sum(have.get(k, 0) for k in keys))
 
 
 def wait_in_sync(g: B.BrokerGroup, syncs: int) -> None:

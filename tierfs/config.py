@@ -204,6 +204,12 @@ SCHEMA: tuple[Key, ...] = (
     Key("upload.concurrency", "int", 2, "Segments uploaded at once (oldest first).", minimum=1, maximum=64),
     Key("upload.verify", "choice", "full",
         "full: read every uploaded object back and check crc32c; head: check sizes only.", choices=("full", "head")),
+    Key("upload.dedup", "choice", "auto",
+        "Store the chunks of sealed segments content-addressed (<store-id>/cas/<sha256>), so byte-identical "
+        "segments (a broker group's replicas under one mount) are stored once. auto: when the store roots are "
+        "below the mount root (store.roots, or found by layout: a group's layout); on: always; off: never (keys "
+        "per row). Costs a sha256 pass (in the upload's thread) and one catalog transaction per chunk.",
+        choices=("auto", "on", "off")),
     Key("upload.retry_max_seconds", "float", 60.0, "Longest backoff between upload retries.", minimum=0.1),
     Key("upload.bandwidth_bytes_per_second", "size", 0,
         "Cap on upload bandwidth shared by all uploaders (so tiering never starves the broker's replication "

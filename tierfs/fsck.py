@@ -4,10 +4,12 @@ What is checked (DESIGN §4-§6):
 * every catalog row has its hot file, and a tiered row's hot file has the row's size;
 * every block the catalog marks resident has data in the hot file (SEEK_DATA/SEEK_HOLE); a block with a hole is
   damage only when its bytes (holes read as zeros) fail the block's crc32c, since a segment may be sparse;
-* every object of a tiered row exists with the right size (one LIST of <store-id>/seg/, HEAD for the rest; an
-  lz4c object's trailer is read to learn its content size);
-* no object under <store-id>/seg/ is orphaned: each is referenced by a row, a pending delete, a pipeline artifact,
-  an unapplied pipeline result, or is the current generation of a segment being uploaded;
+* every object of a tiered row exists with the right size (one LIST of <store-id>/seg/ and <store-id>/cas/, HEAD
+  for the rest; an lz4c object's trailer is read to learn its content size); a content-addressed object several
+  rows name (replicas' identical segments: tierfs.tier.layout) is checked for each of them;
+* no object under <store-id>/seg/ or <store-id>/cas/ is orphaned: each is referenced by a row, a pending delete,
+  a held reference, a pipeline artifact, an unapplied pipeline result, or is the current generation of a segment
+  being uploaded;
 * no multipart upload under <store-id>/ is stale (offline: any; mounted: older than --stale-after);
 * with --deep, the crc32c of every block of every object (and of the whole content), and of every resident block.
 
@@ -217,7 +219,7 @@ KINDS = {
     "missing_object": "objects of tiered rows that are missing",
     "object_size": "objects of tiered rows with the wrong size",
     "corrupt_object": "objects whose content fails its crc32c",
-    "orphan_object": "objects under <store-id>/seg/ nothing references",
+    "orphan_object": "objects under <store-id>/seg/ or <store-id>/cas/ nothing references",
     "stale_upload": "stale multipart uploads",
 }
 
@@ -406,11 +408,11 @@ class Checker:
     # -- catalog vs object store
 
     def check_objects(self) -> None:
-        prefix = layout.segment_prefix(self.sid)
         with self.progress.bar("listing objects", None, "obj") as bar:
-            for info in self.store.list(prefix):
-                self.listing[info.key] = info.size
-                bar.update(1)
+            for prefix in layout.object_prefixes(self.sid):
+                for info in self.store.list(prefix):
+                    self.listing[info.key] = info.size
+                    bar.update(1)
         self.checked["objects"] = len(self.listing)
         tiered = [e for e in self.snap.rows.values() if e.state is State.TIERED]
         with self.progress.bar("objects of rows", sum(len(e.objects) for e in tiered), "obj") as bar:
@@ -490,7 +492,10 @@ class Checker:
             path = m["path"] if m else None
             f = Finding("orphan_object", f"object {key} ({self.listing[key]} bytes) is referenced by no catalog row "
                         f"and no pending delete", path, key)
-            if m is None:
+            if layout.is_cas(key):  # no path in its key: any hot file without a row might depend on it
+                f.repairable, f.unrepaired = False, ("content-addressed: its key names no segment, so no hot file "
+                                                     "can be ruled out as depending on it; left for a human")
+            elif m is None:
                 f.repairable, f.unrepaired = False, "its key is not a segment object key; left for a human"
             elif path not in self.snap.rows and (self.t.hot / path).exists():
                 f.repairable = False

@@ -423,7 +423,8 @@ class BlockCache:
         key = units.ref_key(e.unit_ref)
         try:
             try:
-                key, size, crc = units.parse_ref(e.unit_ref, 4 * unit_count(e), units.table_key(e.objects[0]))
+                key, size, crc = units.parse_ref(e.unit_ref, 4 * unit_count(e),
+                                                 units.row_table_key(e.objects[0], e.unit_ref))
                 data = await self.eng.io(self.eng.store.get, key)
                 why = units.check_table(data, size, crc)
             except ValueError as err:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from tierfs.tier import units
+from tierfs.tier import layout, units
 from tierfs.tier.spacereserve import SpaceReserve
 
 
@@ -150,6 +150,12 @@ CREATE TABLE IF NOT EXISTS object_refs (
     PRIMARY KEY (key, holder)
 );
 CREATE INDEX IF NOT EXISTS object_refs_holder ON object_refs (holder);
+CREATE TABLE IF NOT EXISTS cas_refs (
+    key TEXT NOT NULL,
+    file_id INTEGER NOT NULL,
+    PRIMARY KEY (key, file_id)
+);
+CREATE INDEX IF NOT EXISTS cas_refs_file ON cas_refs (file_id);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS artifacts (
     path TEXT NOT NULL,
@@ -274,6 +280,11 @@ class Catalog:
                 for stmt in _FILES_INDEX.split(";"):
                     db.execute(stmt)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('next_id', ?)", (str(nxt),))
+            if db.execute("SELECT v FROM meta WHERE k='cas_refs'").fetchone() is None:  # a version before it
+                for fid, objs, unit_ref in db.execute("SELECT file_id, objects, unit_ref FROM files "
+                                                      "WHERE objects LIKE '%/cas/%'").fetchall():
+                    self._name_cas_locked(db, fid, json.loads(objs) + [units.ref_key(unit_ref or "")])
+                db.execute("INSERT INTO meta VALUES ('cas_refs', '1')")
 
     @_retry_when_full
     def allocate(self, n: int = 1) -> int:
@@ -368,9 +379,27 @@ class Catalog:
         with self._transaction() as db:
             self._remove_locked(db, e.file_id, e.path, delete_keys, not_before, artifacts)
 
+    # Every row write goes through these two, so the content-addressed keys a row names (cas_refs: key -> rows,
+    # which claim_deletes consults) change in the same transaction as the row.
+
+    def _put_row_locked(self, db: sqlite3.Connection, e: Entry) -> None:
+        db.execute(_UPSERT, self._row(e))
+        self._name_cas_locked(db, e.file_id, e.all_objects())
+
+    @staticmethod
+    def _name_cas_locked(db: sqlite3.Connection, file_id: int, keys: list[str]) -> None:
+        db.execute("DELETE FROM cas_refs WHERE file_id=?", (file_id,))
+        db.executemany("INSERT OR IGNORE INTO cas_refs VALUES (?, ?)",
+                       [(k, file_id) for k in keys if layout.is_cas(k)])
+
+    @staticmethod
+    def _drop_rows_locked(db: sqlite3.Connection, file_ids: list[int]) -> None:
+        db.executemany("DELETE FROM files WHERE file_id=?", [(i,) for i in file_ids])
+        db.executemany("DELETE FROM cas_refs WHERE file_id=?", [(i,) for i in file_ids])
+
     def _remove_locked(self, db: sqlite3.Connection, file_id: int, path: str, delete_keys: list[str],
                        not_before: float, artifacts: tuple[str, ...]) -> None:
-        db.execute("DELETE FROM files WHERE file_id=?", (file_id,))
+        self._drop_rows_locked(db, [file_id])
         keys = list(delete_keys) + self._drop_artifacts_locked(path, artifacts)
         if not_before >= NEVER:  # still open: queued, and held until its last close
             db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", [(k, f"{HELD}{file_id}") for k in keys])
@@ -382,7 +411,7 @@ class Catalog:
         """Rewrite a row (e.g. TIERED -> HOT at a new generation) and queue the objects it no longer uses and
         its artifacts of these kinds for deletion: one transaction, so a crash leaks nothing."""
         with self._transaction() as db:
-            db.execute(_UPSERT, self._row(e))
+            self._put_row_locked(db, e)
             self._queue_locked(list(delete_keys) + self._drop_artifacts_locked(e.path, artifacts), not_before)
 
     @_retry_when_full
@@ -443,7 +472,7 @@ class Catalog:
                 named = set(json.loads(cur[3])) if cur is not None else set()
                 self._queue_locked([k for k in e.objects if k not in named], not_before)
                 return False
-            db.execute(_UPSERT, self._row(e))
+            self._put_row_locked(db, e)
             self._queue_locked(delete_keys, not_before)
             return True
 
@@ -454,7 +483,7 @@ class Catalog:
         mount's file replaced by a newer one) and deferred deletes in one transaction: all or none of them."""
         now = time.time()
         with self._transaction() as db:
-            db.executemany("DELETE FROM files WHERE file_id=?", [(i,) for i in drop_ids])
+            self._drop_rows_locked(db, list(drop_ids))
             fresh = [e for e in entries if not e.file_id]  # rows from a snapshot's blobs: numbered here
             if fresh:  # above every id in use and in this batch (a snapshot's rows keep their writer's ids)
                 first = max(int(db.execute("SELECT v FROM meta WHERE k='next_id'").fetchone()[0]),
@@ -465,7 +494,7 @@ class Catalog:
                     e.file_id = first + i
             for e in entries:
                 e.state_since = e.state_since or now
-                db.execute(_UPSERT, self._row(e))
+                self._put_row_locked(db, e)
             db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?)",
                            [(a.path, a.kind, a.generation, json.dumps(a.keys), json.dumps(a.info), a.created or now)
                             for a in artifacts])
@@ -517,6 +546,16 @@ class Catalog:
             db.executemany("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", refs)
 
     @_retry_when_full
+    def hold_content(self, holder: str, key: str) -> bool:
+        """`holder` refers to content-addressed `key` from now on (as hold_refs); True when a TIERED row already
+        names it, i.e. the object is stored and verified (an upload of the same bytes need not PUT it again).
+        One transaction: from here on no delete can take it whatever happens to that row."""
+        with self._transaction() as db:
+            db.execute("INSERT OR IGNORE INTO object_refs VALUES (?, ?)", (key, holder))
+            return db.execute("SELECT 1 FROM cas_refs JOIN files USING (file_id) WHERE key=? AND state=? LIMIT 1",
+                              (key, State.TIERED.value)).fetchone() is not None
+
+    @_retry_when_full
     def end_refs(self, settled: list[str], released: list[str], not_before: float) -> None:
         """In one transaction: `settled` holders go without a delete (a committed row names their keys, or the
         commit queued them), `released` ones like `release_refs` (their keys queued after `not_before`)."""
@@ -558,10 +597,16 @@ class Catalog:
 
     @staticmethod
     def _named_by_rows_locked(db: sqlite3.Connection, keys: list[str]) -> set[str]:
-        """Those of `keys` a live row (by the generation in the key), an artifact or a tail names."""
+        """Those of `keys` a live row (by the generation in the key, or by cas_refs for a content-addressed key,
+        which several rows may name), an artifact or a tail names."""
         want = set(keys)
-        gens = {int(m.group(1)) for k in keys if (m := _KEY_GENERATION.search(k))}
         named: set[str] = set()
+        cas = [k for k in keys if layout.is_cas(k)]
+        for i in range(0, len(cas), 500):
+            part = cas[i:i + 500]
+            named.update(r[0] for r in db.execute(
+                f"SELECT DISTINCT key FROM cas_refs WHERE key IN ({','.join('?' * len(part))})", part))
+        gens = {int(m.group(1)) for k in keys if (m := _KEY_GENERATION.search(k))}
         for g in gens:
             for objs, unit_ref in db.execute("SELECT objects, unit_ref FROM files WHERE generation=?", (g,)):
                 named.update(json.loads(objs))
@@ -611,7 +656,7 @@ def check_units(e: Entry) -> None:
             raise ValueError("a row has both an inline verification table and a reference to one")
         if e.format != "raw" or not e.objects:
             raise ValueError(f"a verification table reference on a {e.format} row with {len(e.objects)} objects")
-        units.parse_ref(e.unit_ref, 4 * unit_count(e), units.table_key(e.objects[0]))
+        units.parse_ref(e.unit_ref, 4 * unit_count(e), units.row_table_key(e.objects[0], e.unit_ref))
         return
     if not isinstance(e.unit_crcs, bytes) or len(e.unit_crcs) != 4 * unit_count(e):
         raise ValueError(f"verification table of {len(e.unit_crcs)} bytes for {unit_count(e)} units")

@@ -129,6 +129,7 @@ class Engine:
         self.last_fsync: dict[int, float] = {}
         self.write_seq: dict[int, int] = {}
         self._writes = 0
+        self.store_roots: list[str] = [""]  # the store roots the sealer's last scan found (tierfs.tier.storeroots)
         self.cache_bytes = 0  # resident bytes of tiered segments (the evictor's budget)
         self.limiter = trio.CapacityLimiter(int(config["objectstore.max_concurrency"]))
         self.db_limiter = trio.CapacityLimiter(1)

@@ -4,9 +4,20 @@ Segment content is split into chunk objects so every ranged GET stays small and 
     <store-id>/seg/<relative path>/<generation>.raw/<chunk number, 6 digits>
 A compacted segment is one lz4c object (its blocks are the unit of ranged reads): <generation>.lz4c.
 The object store adds its own bucket prefix (s3://BUCKET/PREFIX).
+
+Content-addressed chunks (a broker group's replicas under one mount write byte-identical sealed segments):
+    <store-id>/cas/<first 2 hex digits>/<sha256 of the chunk's bytes, hex>
+named by their bytes, so identical chunks of two rows are one object, which the reference authority keeps while
+any row names it (tierfs.tier.references). Per chunk, not per segment: the key is known as soon as the chunk is
+read, so the upload hashes, holds and PUTs it in the one pass that reads the segment; a segment's verification
+table (tierfs.tier.units) is content-addressed the same way. Which keys a row has is its `objects` list, written
+when it is tiered: readers, the evictor, compaction, snapshots and fsck all read keys from there, never rederive
+them, so rows of either kind (an old catalog's) keep working.
 """
 
 from __future__ import annotations
+
+import re
 
 
 def chunk_key(store_id: str, rel_path: str, generation: int, fmt: str, chunk_no: int) -> str:
@@ -54,3 +65,30 @@ def archive_key(store_id: str, topic: str, date: str, rel_path: str, generation:
 
 def archive_prefix(store_id: str) -> str:
     return f"{store_id}/archive/"
+
+
+def cas_prefix(store_id: str) -> str:
+    return f"{store_id}/cas/"
+
+
+def cas_key(store_id: str, sha256_hex: str) -> str:
+    """The content-addressed object holding bytes whose sha256 is `sha256_hex`."""
+    return f"{store_id}/cas/{sha256_hex[:2]}/{sha256_hex}"
+
+
+_CAS = re.compile(r"/cas/([0-9a-f]{2})/\1[0-9a-f]{62}$")
+
+
+def is_cas(key: str) -> bool:
+    """A content-addressed key (shared by every row whose content holds those bytes)."""
+    return bool(_CAS.search(key))
+
+
+def cas_store(key: str) -> str:
+    """The store id a content-addressed key belongs to."""
+    return key[:key.rindex("/cas/")]
+
+
+def object_prefixes(store_id: str) -> tuple[str, str]:
+    """Every prefix segment objects live under (per row and content-addressed): listings of what rows name."""
+    return segment_prefix(store_id), cas_prefix(store_id)

@@ -11,7 +11,8 @@ and every referrer registers here:
   commit that names them (or queues them) lands; a failed upload releases them (queued), and the next mount
   releases every one an earlier daemon left (`release_all`): so every object a daemon that died put is named by a
   row or queued for deletion, and a row that names one keeps it (a queued delete of a key a live row names is
-  dropped, never done). A takeover queues the refs of its point like every other (tierfs.tier.takeover);
+  dropped, never done; a content-addressed key, which several rows may name, is kept while any of them does:
+  tierfs.tier.layout). A takeover queues the refs of its point like every other (tierfs.tier.takeover);
 - a compaction job holds the outputs it may write (`job:<job id>`) from before it starts until its result is
   applied (or it failed): what no row took over is then queued, so a failed or skipped job leaks nothing and a
   running one loses nothing;
@@ -133,6 +134,14 @@ class References:
         with self._lock:
             self._refuse_deleting([k for keys in holds.values() for k in keys], ", ".join(holds))
             self._catalog.hold_refs_many([(k, h) for h, keys in holds.items() for k in keys])
+
+    def hold_content(self, holder: str, key: str) -> bool:
+        """Blocking: `hold` of one content-addressed key; True when a live row already names it (stored and
+        verified: the other replica's identical chunk), so the holder need not put it. Raises BeingDeleted as
+        `hold` (a delete of the same bytes is running: the holder tries again later)."""
+        with self._lock:
+            self._refuse_deleting([key], holder)
+            return self._catalog.hold_content(holder, key)
 
     def _refuse_deleting(self, keys: list[str], who: str) -> None:
         """(under the lock) BeingDeleted when a delete already took one of `keys`."""

@@ -22,7 +22,7 @@ from tierfs.store.paths import Kind, classify
 from tierfs.store.seal import SealParams, checked_ranges, is_sealed
 from tierfs.tier import identity
 from tierfs.tier.catalog import Entry, State
-from tierfs.tier.storeroots import segment_dirs
+from tierfs.tier.storeroots import find_roots, segment_dirs
 
 if TYPE_CHECKING:
     from tierfs.tier.engine import Engine
@@ -125,7 +125,9 @@ class Sealer:
         usage: dict[str, tuple[str, int, int, str]] = {}
         by_ino, unsealed, write_seq = self.eng.by_ino, self._unsealed, self.eng.write_seq
         hot = str(self.eng.hot)
-        stack = segment_dirs(hot, self.eng.config["store.roots"])  # every store root below the mount's too
+        roots = find_roots(hot, self.eng.config["store.roots"])
+        self.eng.store_roots = roots  # the uploader's upload.dedup=auto asks how many there are
+        stack = segment_dirs(hot, roots=roots)  # every store root below the mount's too
         while stack:
             d = stack.pop()
             try:

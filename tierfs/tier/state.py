@@ -55,6 +55,7 @@ class EngineStats:
     uploads: int = 0
     upload_bytes: int = 0
     upload_copied_bytes: int = 0  # of upload_bytes: composed in the store from append objects, not sent again
+    upload_dedup_bytes: int = 0  # of upload_bytes: content-addressed chunks another row had stored already
     upload_failures: int = 0
     fetches: int = 0
     fetch_bytes: int = 0

@@ -58,11 +58,12 @@ def find_roots(hot: str, configured: str = "") -> list[str]:
     return sorted(roots) or [""]
 
 
-def segment_dirs(hot: str, configured: str = "") -> list[str]:
-    """The segment directories of every store root, relative to the hot dir, for the sealer's walk: the
-    RocketMQ logs, and the `data/` and `index/` of each DLedger store (`dledger-<selfId>/`) in the root."""
+def segment_dirs(hot: str, configured: str = "", roots: list[str] | None = None) -> list[str]:
+    """The segment directories of every store root (`roots`, or found: find_roots), relative to the hot dir, for
+    the sealer's walk: the RocketMQ logs, and the `data/` and `index/` of each DLedger store (`dledger-<selfId>/`)
+    in the root."""
     out = []
-    for r in find_roots(hot, configured):
+    for r in find_roots(hot, configured) if roots is None else roots:
         out += [f"{r}/{d}" if r else d for d in SEGMENT_DIRS]
         try:
             with os.scandir(f"{hot}/{r}" if r else hot) as it:

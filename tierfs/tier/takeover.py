@@ -148,14 +148,16 @@ def _catalog(state: Path, snap_db: Path, tiered: list[Entry], grace: float, tail
 
 
 def _queue_unnamed(store: ObjectStore, store_id: str, state: Path, not_before: float) -> int:
-    """Queue, due at `not_before`, every object under the store's seg/ that no row or artifact of the new catalog
+    """Queue, due at `not_before`, every object under the store's seg/ and cas/ that no row or artifact of the new
+    catalog
     names: nothing of this writer exists yet, so each is the lost writer's, put after the point or queued by it
     before (the queue entry is the same). The reference authority still decides: a key a kept snapshot names
     waits for it."""
     cat = Catalog(state / "catalog.db")
     try:
         named = {k for e in cat.load_all() for k in e.all_objects()} | {k for a in cat.artifacts() for k in a.keys}
-        unnamed = [i.key for i in store.list(layout.segment_prefix(store_id)) if i.key not in named]
+        unnamed = [i.key for pre in layout.object_prefixes(store_id) for i in store.list(pre)
+                   if i.key not in named]
         cat.queue_deletes(unnamed, not_before)
     finally:
         cat.close()

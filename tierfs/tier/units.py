@@ -7,7 +7,8 @@ read fetches only the units it touches, in one ranged GET of the raw chunk objec
 any byte is served. Packed little-endian uint32 (4 bytes per unit: 1 MiB per GiB at 4 KiB, 8 MiB at 512 B).
 
 Where the table lives: one object per segment next to its chunks (<generation>.raw/units), written at upload; the
-row holds only a reference, "crc32c:size:key". Readers load tables lazily into a bounded LRU
+row holds only a reference, "crc32c:size:key"; content-addressed chunks (tierfs.tier.layout) have their table
+content-addressed too (its own sha256), since two rows share it. Readers load tables lazily into a bounded LRU
 (cache.unit_tables_bytes). The table is untrusted: it is checked against the reference's crc32c, and a unit that
 fails it is fetched again as its whole block and checked against the block's own crc32c (the catalog's), so a
 wrong table costs a re-fetch, never wrong bytes or a false EIO. Rows written before this keep the table inline
@@ -22,6 +23,8 @@ from array import array
 from collections import OrderedDict
 
 import crc32c
+
+from tierfs.tier import layout
 
 _U32 = struct.Struct("<I")
 
@@ -41,6 +44,18 @@ TABLE_NAME = "units"
 def table_key(chunk_key: str) -> str:
     """The table object of the segment generation whose (first) chunk object is `chunk_key`: beside it."""
     return f"{chunk_key.rsplit('/', 1)[0]}/{TABLE_NAME}"
+
+
+def row_table_key(first_chunk: str, ref: str) -> str:
+    """The table object a row whose first chunk object is `first_chunk` may name (parse_ref checks the row's
+    reference against it): beside the chunk, or for content-addressed chunks a content-addressed object of the
+    same store (named by the table's own bytes, so rows cannot point a reader anywhere else)."""
+    if not layout.is_cas(first_chunk):
+        return table_key(first_chunk)
+    key = ref_key(ref)
+    if layout.is_cas(key) and layout.cas_store(key) == layout.cas_store(first_chunk):
+        return key
+    return f"a content-addressed object under {layout.cas_prefix(layout.cas_store(first_chunk))}"
 
 
 def make_ref(key: str, packed: bytes) -> str:

@@ -12,10 +12,18 @@ Now a batch registers every key it may put (`upload:<file id>`, tierfs.tier.refe
 before its first PUT, and ends that registration only after the commit that names or queues them (or queues them
 itself when the upload failed); the next mount queues whatever an earlier daemon still held. So at any moment each
 object an upload put is named by a row, held, or queued; a queued key that a row names is never deleted.
+
+Content-addressed chunks (upload.dedup; tierfs.tier.layout): a segment's keys are known only as its chunks are
+read, so each is hashed (sha256, in the upload's thread, in the pass that reads it for the PUT) and held right
+then, in a transaction that also says whether a live row already names it: then the bytes are stored (the other
+replica's identical segment) and the PUT is skipped; the check that follows is the same as for a PUT (a full GET
+compares the stored bytes with ours). Two uploads of the same bytes both hold the key, so neither's failure can
+delete what the other commits; identical PUTs are idempotent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import os
@@ -28,7 +36,7 @@ import crc32c
 import trio
 
 from tierfs import failpoints
-from tierfs.objectstore.base import Fenced, ObjectStoreError
+from tierfs.objectstore.base import Fenced, ObjectNotFound, ObjectStoreError
 from tierfs.tier import layout, sealcopy, units
 from tierfs.tier.catalog import Entry, State
 from tierfs.tier.ratelimit import BandwidthLimiterClosed, TokenBucket
@@ -233,9 +241,19 @@ class Uploader:
                          time.time() + float(eng.config["delete.grace_seconds"]))
 
     def _keys(self, e: Entry) -> list[str]:
-        """The objects an upload of `e` may put now: its chunks, named by its path, and their crc32c table."""
+        """The objects an upload of `e` may put now, held before the first PUT: its chunks, named by its path,
+        and their crc32c table; none for a content-addressed upload (each key is held once its chunk is read)."""
+        if self._content_addressed(e):
+            return []
         keys = layout.chunk_keys(self.eng.store_id, e.path, e.generation, "raw", e.size, e.chunk_bytes)
         return keys + ([units.table_key(keys[0])] if self._unit(e) else [])
+
+    def _content_addressed(self, e: Entry) -> bool:
+        """upload.dedup: a segment gets content-addressed chunks when on, or when auto and the stores are below
+        the mount root (a broker group's layout: its replicas write the same bytes; the first replica's segments
+        may well be uploaded before the next replica's store root exists)."""
+        mode = self.eng.config["upload.dedup"]
+        return mode == "on" or mode == "auto" and self.eng.store_roots != [""]
 
     def _unit(self, e: Entry) -> int:
         """The verification unit of `e`'s crc32c table (0: none, whole blocks are checked)."""
@@ -252,12 +270,13 @@ class Uploader:
         async def put(i: int, e: Entry) -> None:
             # the append objects continuous tiering holds for it (taken here, on the loop: a consistent list)
             tail = eng.appendlog.objects_of(e.ino, e.path) if eng.appendlog is not None else ()
-            copied = [0]
+            copied = [0, 0]
             try:  # one big segment: its own thread, as ever; small ones: bounded, so readers keep store slots
                 results[i] = await trio.to_thread.run_sync(
                     self.upload_blocking, e, tail, copied, holds[f"{UPLOAD}{e.file_id}"],
                     limiter=self._small_limiter if len(batch) > 1 else None)
                 eng.stats.upload_copied_bytes += copied[0]
+                eng.stats.upload_dedup_bytes += copied[1]
             except ShortRead as err:
                 results[i] = err  # the file shrank since it was sealed: void this generation, seal it again
             except (ObjectStoreError, OSError, ValueError) as err:
@@ -346,13 +365,17 @@ class Uploader:
         """Read the hot file chunk by chunk, PUT each chunk as its key in `held` (`_keys` as registered before the
         upload: a rename since changes nothing here; by default, as of now), or compose it in the store from the
         append objects
-        `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied`), verify, and
+        `tail` that hold its exact bytes: tierfs.tier.sealcopy; their bytes are added to `copied[0]`, and those a
+        live row already stored content-addressed to `copied[1]`), verify, and
         return (crc, block crcs, keys, (verification unit, b"", the reference to its crc32c table object:
-        tierfs.tier.units)). The table object is put last, after every chunk: no table without its chunks."""
+        tierfs.tier.units)). The table object is put last, after every chunk: no table without its chunks.
+        No keys in `held`: content-addressed (module docstring), each key held as its chunk is read."""
         eng = self.eng
+        copied = [0, 0] if copied is None else copied
         unit = self._unit(e)
         held = self._keys(e) if held is None else held
-        keys = held[:-1] if unit else held
+        content = not held  # a per-row upload holds at least its one chunk
+        keys = [] if content else held[:-1] if unit else held
         crc = 0
         block_crcs: list[int] = []
         unit_crcs: list[bytes] = []
@@ -364,11 +387,14 @@ class Uploader:
             # TIERED says every block is resident: the bytes must be durable before that commit
             os.fdatasync(fd)
             same: dict[str, bool] = {}  # append object -> holds the local bytes
-            for i, key in enumerate(keys):
+            for i in range(max(-(-e.size // e.chunk_bytes), 1)):
                 off = i * e.chunk_bytes
                 data = os.pread(fd, min(e.chunk_bytes, e.size - off), off)
                 if len(data) != min(e.chunk_bytes, e.size - off):
                     raise ShortRead(keys, f"short read of {e.path} at {off}: it shrank since it was sealed")
+                key, stored = self._content_key(e, data) if content else (keys[i], False)
+                if content:
+                    keys.append(key)
                 eng.fence(key)
                 chunk_crc = crc32c.crc32c(data)
                 crc = crc32c.crc32c(data, crc)
@@ -376,31 +402,54 @@ class Uploader:
                 block_crcs += [crc32c.crc32c(mv[b:b + e.block_bytes]) for b in range(0, len(data), e.block_bytes)]
                 if unit:
                     unit_crcs.append(units.table(mv, unit))
+                if stored and self._verified(key, data, chunk_crc, verify_full):
+                    copied[1] += len(data)  # another row's identical chunk, checked as our own PUT would be
+                    failpoints.hit("tier.chunk_put")
+                    continue
+                if stored:  # named by a row, yet missing or damaged: put it again (for that row too)
+                    log.warning("%s: content-addressed object %s, which a row names, is missing or differs; "
+                                "putting it again", e.path, key)
                 if not self._compose(fd, key, off, len(data), chunk_crc, tail, same, copied):
                     if self.bandwidth is not None:
                         self.bandwidth.acquire(len(data))  # shared by every uploader thread
                     eng.store.put(key, data, metadata={"crc32c": f"{chunk_crc:08x}"})
                 failpoints.hit("tier.chunk_put")
-                if verify_full:
-                    back = eng.store.get(key)
-                    if len(back) != len(data) or crc32c.crc32c(back) != chunk_crc:
-                        raise ObjectStoreError(key, "verification failed: the object differs from what was put")
-                else:
-                    info = eng.store.head(key)
-                    if info is None or info.size != len(data):
-                        raise ObjectStoreError(key, "verification failed: size mismatch")
+                if not self._verified(key, data, chunk_crc, verify_full):
+                    raise ObjectStoreError(key, "verification failed: the object differs from what was put "
+                                                "(size, or crc32c with upload.verify=full)")
         finally:
             os.close(fd)
         if not unit:
             return crc, block_crcs, keys, (0, b"", "")
         packed = b"".join(unit_crcs)
-        tkey = held[-1]
+        tkey, stored = self._content_key(e, packed) if content else (held[-1], False)
         eng.fence(tkey)
-        eng.store.put(tkey, packed, metadata={"crc32c": f"{crc32c.crc32c(packed):08x}"})
-        info = eng.store.head(tkey)
-        if info is None or info.size != len(packed):
-            raise ObjectStoreError(tkey, "verification failed: size mismatch")
+        tcrc = crc32c.crc32c(packed)
+        if not (stored and self._verified(tkey, packed, tcrc, False)):
+            eng.store.put(tkey, packed, metadata={"crc32c": f"{tcrc:08x}"})
+            if not self._verified(tkey, packed, tcrc, False):
+                raise ObjectStoreError(tkey, "verification failed: size mismatch")
         return crc, block_crcs, keys, (unit, b"", units.make_ref(tkey, packed))
+
+    def _verified(self, key: str, data: bytes, crc: int, full: bool) -> bool:
+        """Blocking: the stored object `key` holds `data` (crc32c `crc`): read back in full, or its size only."""
+        try:
+            if full:
+                back = self.eng.store.get(key)
+                return len(back) == len(data) and crc32c.crc32c(back) == crc
+            info = self.eng.store.head(key)
+        except ObjectNotFound:
+            return False
+        return info is not None and info.size == len(data)
+
+    def _content_key(self, e: Entry, data: bytes) -> tuple[str, bool]:
+        """Blocking: the content-addressed key of `data`, held for `e`'s upload from now on, and whether a live
+        row names it already (stored and verified: no PUT needed)."""
+        key = layout.cas_key(self.eng.store_id, hashlib.sha256(data).hexdigest())
+        try:
+            return key, self.eng.references.hold_content(f"{UPLOAD}{e.file_id}", key)
+        except BeingDeleted as err:  # the same bytes' delete is running: upload again later (not "untierable")
+            raise ObjectStoreError(key, str(err)) from None
 
     def _compose(self, fd: int, key: str, off: int, n: int, crc: int, tail: tuple, same: dict[str, bool],
                  copied: list[int] | None) -> bool:
