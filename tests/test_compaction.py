@@ -200,14 +200,16 @@ def test_sealed_segments_reach_the_table_within_max_lag(mount_store, reference_s
     """archive.max_lag_seconds: with no scheduled run due (a day away), the daemon runs an archive-only job once
     the oldest unarchived tiered CommitLog segment is half the limit old; every tiered segment's messages land in
     the table, and the lag the daemon measured (last write to commit, in status and the metrics) is within the
-    limit; the rows carry the brokerName of the store root's brokerIdentity. Fails on a daemon that archives only
+    limit; the rows carry the brokerName of the store root's brokerIdentity; the first job also runs the table's
+    retention (archive.retention_days). Fails on a daemon that archives only
     on its schedule (no table within the wait)."""
     from deltalake import DeltaTable
 
     max_lag = 120  # the job (JVM start included) must take under half of it: 20-30 s on a loaded 2-core runner
     ref = reference_store
     m = mount_store(options=[TIER_OPTS + f",spark.master=local[2],compaction.enabled=true,compaction.stages=archive,"
-                                         f"compaction.interval_seconds=86400,archive.max_lag_seconds={max_lag}"])
+                                         f"compaction.interval_seconds=86400,archive.max_lag_seconds={max_lag},"
+                                         f"archive.retention_days=3650"])
     (m.mnt / "brokerIdentity").write_text("DefaultCluster#broker-x#0")  # what a 5.x controller-mode broker writes
     copy_in(ref, m.mnt)
     logs = [p for p in segments(ref) if p.startswith("commitlog/")]
@@ -245,3 +247,8 @@ def test_sealed_segments_reach_the_table_within_max_lag(mount_store, reference_s
     assert "archive lag:" in tierfs("status", str(m.mnt)).stdout
     jobs = [json.loads(p.read_text()) for p in (m.state_dir / "jobs").glob("*/input.json")]
     assert jobs and all(j["stages"] == ["archive"] and j["trigger"] == "freshness" for j in jobs), jobs
+    # archive.retention_days: the daemon's first job also expires the table (nothing is 10 years old here)
+    expiring = [p.parent for p in (m.state_dir / "jobs").glob("*/input.json")
+                if json.loads(p.read_text())["table_expiry"] == {"retention_days": 3650, "vacuum_grace_hours": 168}]
+    assert expiring
+    assert json.loads((expiring[0] / "result.json").read_text())["table_expiry"]["deleted_rows"] == 0

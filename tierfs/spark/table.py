@@ -41,7 +41,7 @@ from typing import Any, Iterable
 from tierfs.spark.archive import arrow_schema, parse_table_file, safe_name, segment_base
 
 __all__ = ["TABLE_PREFIX", "PARTITION_BY", "TableSpec", "app_id", "table_schema", "held", "commit",
-           "Committed", "superseded", "expire"]
+           "Committed", "LostRace", "attempt_commit", "superseded", "expire"]
 
 TABLE_PREFIX = "tables/messages/"  # the table's root, as an object key prefix below the store's URL
 PARTITION_BY = ["topic", "date"]
@@ -113,60 +113,70 @@ class Committed:
     replaced: dict[str, int]            # path -> digest of the content its commit replaced
 
 
-def _is_txn_race(e: Exception) -> bool:
-    return type(e).__name__ == "CommitFailedError" and "oncurrent transaction" in str(e)
+class LostRace(Exception):
+    """A commit lost to another writer's commit of the same segment (or of the table's creation): look again."""
 
 
 def commit(spec: TableSpec, store_id: str, rows: list[dict], attempts: int = 8) -> Committed:
     """Commit the data files of these archive[] rows (archive_segment_table: `group`, `digest`, `files`) and their
     segments' txn actions in one Delta transaction, removing the files of other content of the same segments.
     Rows whose segment the table meanwhile holds with the same content are left out (`raced`). A commit that lost
-    a race for a segment's txn is retried against the new version. Raises whatever delta-rs raises otherwise
-    (nothing is committed then)."""
+    a race (LostRace) is tried again against the new version. Raises whatever delta-rs raises otherwise (nothing
+    is committed then)."""
+    for attempt in range(attempts):
+        try:
+            return attempt_commit(_open(spec), spec, store_id, rows)
+        except LostRace as e:
+            if attempt + 1 == attempts:
+                raise e.__cause__ or e
+    raise AssertionError("unreachable")
+
+
+def attempt_commit(dt, spec: TableSpec, store_id: str, rows: list[dict]) -> Committed:
+    """One try of commit() against the table version `dt` (None: no table yet). Raises LostRace when a commit of
+    the same segment's txn (delta-rs' conflict check), or the table's creation, got in first since `dt`."""
     from deltalake import Schema
     from deltalake.transaction import (AddAction, CommitProperties, RemoveAction, Transaction,
                                        create_table_with_add_actions)
 
+    now = int(time.time() * 1000)
+    have = {row["path"]: (None if dt is None else dt.transaction_version(app_id(row["group"], row["path"])))
+            for row in rows}
+    raced = [row["path"] for row in rows if have[row["path"]] == int(row["digest"])]
+    todo = [row for row in rows if row["path"] not in raced]
+    if not todo:
+        return Committed(-1 if dt is None else int(dt.version()), raced, {})
+    adds = [AddAction(f["path"], int(f["size"]), {"topic": f["topic"], "date": f["date"]}, now, True,
+                      json.dumps(f["stats"], separators=(",", ":")))
+            for row in todo for f in row["files"]]
+    txns = [Transaction(app_id(row["group"], row["path"]), int(row["digest"]), now) for row in todo]
+    meta = {"tierfs.store_id": store_id, "tierfs.segments": {row["path"]: int(row["generation"]) for row in todo}}
+    replaced = {row["path"]: have[row["path"]] for row in todo if have[row["path"]] is not None}
     schema = Schema.from_arrow(table_schema())
-    for attempt in range(attempts):
-        now = int(time.time() * 1000)
-        dt = _open(spec)
-        have = {row["path"]: (None if dt is None else dt.transaction_version(app_id(row["group"], row["path"])))
-                for row in rows}
-        raced = [row["path"] for row in rows if have[row["path"]] == int(row["digest"])]
-        todo = [row for row in rows if row["path"] not in raced]
-        if not todo:
-            return Committed(-1 if dt is None else int(dt.version()), raced, {})
-        adds = [AddAction(f["path"], int(f["size"]), {"topic": f["topic"], "date": f["date"]}, now, True,
-                          json.dumps(f["stats"], separators=(",", ":")))
-                for row in todo for f in row["files"]]
-        txns = [Transaction(app_id(row["group"], row["path"]), int(row["digest"]), now) for row in todo]
-        meta = {"tierfs.store_id": store_id,
-                "tierfs.segments": {row["path"]: int(row["generation"]) for row in todo}}
-        props = CommitProperties(custom_metadata=meta, app_transactions=txns, max_commit_retries=20)
-        replaced = {row["path"]: have[row["path"]] for row in todo if have[row["path"]] is not None}
+    if dt is None:
+        # version 0 or nothing: a create that lost the race must not be retried as version 1 (delta-rs would,
+        # without checking the txn actions)
+        first = CommitProperties(custom_metadata=meta, app_transactions=txns, max_commit_retries=0)
         try:
-            if dt is None:
-                try:
-                    create_table_with_add_actions(spec.uri, schema, adds, mode="append", partition_by=PARTITION_BY,
-                                                  name="messages", storage_options=spec.storage_options or None,
-                                                  commit_properties=props)
-                    return Committed(0, raced, replaced)
-                except Exception:  # noqa: BLE001 - another store created it meanwhile: append to it as below
-                    if _open(spec) is None:
-                        raise
-                    continue
-            removes = [RemoveAction(p, True, now)
-                       for p in superseded(dt.get_add_actions().column("path").to_pylist(), todo)]
-            dt.create_write_transaction([*adds, *removes], mode="append", schema=schema, partition_by=PARTITION_BY,
-                                        commit_properties=props)
-        except Exception as e:  # noqa: BLE001 - a replica's commit of the same segment won: look again
-            if _is_txn_race(e) and attempt + 1 < attempts:
-                continue
-            raise
-        dt.update_incremental()  # the version this commit made, or a later one if another store committed since
-        return Committed(int(dt.version()), raced, replaced)
-    raise RuntimeError("unreachable")
+            create_table_with_add_actions(spec.uri, schema, adds, mode="error", partition_by=PARTITION_BY,
+                                          name="messages", storage_options=spec.storage_options or None,
+                                          commit_properties=first)
+        except Exception as e:  # noqa: BLE001 - another store created it meanwhile?
+            if _open(spec) is None:
+                raise
+            raise LostRace() from e
+        return Committed(0, raced, replaced)
+    props = CommitProperties(custom_metadata=meta, app_transactions=txns, max_commit_retries=20)
+    removes = [RemoveAction(p, True, now) for p in superseded(dt.get_add_actions().column("path").to_pylist(), todo)]
+    try:
+        dt.create_write_transaction([*adds, *removes], mode="append", schema=schema, partition_by=PARTITION_BY,
+                                    commit_properties=props)
+    except Exception as e:  # noqa: BLE001 - delta-rs retries other writers' commits; a txn of ours it refuses
+        if type(e).__name__ == "CommitFailedError" and "oncurrent transaction" in str(e):
+            raise LostRace() from e
+        raise
+    dt.update_incremental()  # the version this commit made, or a later one if another store committed since
+    return Committed(int(dt.version()), raced, replaced)
 
 
 def superseded(paths: Iterable[str], rows: list[dict]) -> list[str]:
