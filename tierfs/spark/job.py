@@ -79,7 +79,7 @@ class JobInput:
     today: _dt.date
     posix_shared: bool = False
     archive_format: str = "parquet"       # "parquet" (files per segment) | "delta" (the archive table)
-    broker: str = ""                      # the broker name of the table's rows ("" -> unnamed: archive.broker_group)
+    broker: str = ""                      # the broker name of the table's rows ("": unnamed, see archive.broker_group)
     table_retention_days: float = 0.0     # the table's rows older than this many days are expired (0: kept)
     vacuum_grace_hours: int = 168         # table files unreferenced this long are vacuumed
     raw: dict = field(default_factory=dict, repr=False)
