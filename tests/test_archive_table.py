@@ -403,6 +403,9 @@ def test_master_and_slave_archive_each_message_once(native, tmp_path):
     r = job("unclean", "store-s", "broker-a", [div])
     (row,) = r["archive"]
     assert row["replaced_digest"] == ar.content_digest(m_segs[-1]) and row["rows"] > 0
+    from deltalake import DeltaTable
+
+    assert DeltaTable(uri).transaction_version(tb.app_id("broker-a", last)) == ar.content_digest(div)
     expect({"broker-a": want, "broker-b": want})
     t = table_rows(uri, ["broker", "segment", "store_id", "body", "phys_offset"]).to_pylist()
     seg_rows = [x for x in t if x["broker"] == "broker-a" and x["segment"] == f"slave/{last}"]
