@@ -434,7 +434,7 @@ def decode_baselines(store: Store, block_bytes: int, repeat: int, with_archive: 
             if local is not None:  # rows/s is per row: the first segment of the type is enough
                 s = segs[0]
                 data = (store.root / s.rel).read_bytes()
-                seg = {"path": s.rel, "generation": 1, "size": len(data)}
+                seg = {"path": s.rel, "generation": 1, "size": len(data), "crc32c": crc32c.crc32c(data)}
                 t0, c0 = time.perf_counter(), time.process_time()
                 row = archive.archive_segment(local, "bench", seg, {}, today,
                                               read=lambda _st, _seg, d=data: _blocks(d, block_bytes))

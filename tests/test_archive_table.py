@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from test_spark_job import (REPO, SEED, STORE_ID, TOPIC_PREFIX, _group_alive, messages, native, sealed,  # noqa: F401
-                            upload, write_input)
+from test_spark_job import (REPO, SEED, STORE_ID, TODAY, TOPIC_PREFIX, _group_alive, messages, native,  # noqa: F401
+                            sealed, upload, write_input)
 from sparkcluster import spark_cluster  # noqa: F401 (the fixture)
 from tierfs.objectstore import ObjectStore, open_store
 from tierfs.spark import archive as ar
@@ -40,19 +40,47 @@ GEN0 = 1000  # generations of the uploaded segments: GEN0, GEN0 + 1, ...
 
 def test_table_file_names_are_safe_and_parse_back():
     for topic in ("%RETRY%Grp0", "a/b", "T_1", "tōpic", ""):
-        rel = ar.table_file("s 1", "slave/commitlog/00000000001073741824", 7, topic, "2026-01-02")
+        rel = ar.table_file("broker a", "slave/commitlog/00000000001073741824", 7, "s 1", topic, "2026-01-02")
         assert all(c.isalnum() or c in "=/.-_~" for c in rel), rel
         assert rel.startswith(f"topic={ar.safe_name(topic)}/date=2026-01-02/")
-        assert ar.parse_table_file(rel) == (ar.safe_name("s 1"), ar.safe_name("slave~00000000001073741824"), 7)
+        assert ar.parse_table_file(rel) == (ar.safe_name("broker a"), ar.safe_name("commitlog~00000000001073741824"),
+                                            7)
     assert ar.safe_name("a_b") != ar.safe_name("a/b") and ar.safe_name("a_2Fb") != ar.safe_name("a/b")
     assert ar.parse_table_file("topic=x/date=2026-01-01/other.parquet") is None
 
 
-def test_only_older_generations_of_the_same_segment_are_superseded():
+def test_a_segment_has_one_key_on_every_replica_and_its_content_a_digest():
+    """Master and slave (two stores, or two roots of one mount) name a segment alike when their broker is named;
+    unnamed stores and roots never share a group. The digest follows every block's crc32c."""
+    Z = "0" * 20
+    assert ar.segment_base("slave/commitlog/00000000001073741824") == ar.segment_base("commitlog/00000000001073741824")
+    assert ar.segment_base("n1/dledger-n1/data/00000000000000000000") == "dledger~00000000000000000000"
+    assert ar.broker_group("broker-a", "m", f"master/commitlog/{Z}") == \
+        ar.broker_group("broker-a", "s", f"commitlog/{Z}")
+    assert ar.broker_group("", "m", f"master/commitlog/{Z}") == ("m", "m/master")
+    assert ar.broker_group("", "m", f"slave/commitlog/{Z}")[1] != ar.broker_group("", "m", f"master/commitlog/{Z}")[1]
+    seg = {"path": "commitlog/0", "size": 4, "crc32c": 9, "block_crcs": [1, 2]}
+    d = ar.content_digest(seg)
+    assert 0 <= d < 1 << 62 and d == ar.content_digest(dict(seg, path=f"slave/commitlog/{Z}", generation=5))
+    assert d != ar.content_digest(dict(seg, block_crcs=[1, 3])) and d != ar.content_digest(dict(seg, size=5))
+    with pytest.raises(ar.ArchiveError, match="commitlog/0: the segment entry has no crc32c"):
+        ar.content_digest({"path": "commitlog/0", "size": 4})
+
+
+def test_the_broker_name_a_controller_mode_broker_records():
+    from tierfs.store import brokeridentity
+
+    assert brokeridentity.parse("DefaultCluster#broker-a#1\n") == "broker-a"
+    assert brokeridentity.parse("broker-a") == brokeridentity.parse("a##1") == brokeridentity.parse("") == ""
+
+
+def test_files_of_other_content_of_the_same_segment_are_superseded():
     seg = "commitlog/00000000000000000000"
-    paths = [ar.table_file("s1", seg, g, "T", "2026-01-01") for g in (3, 5, 9)]
-    paths += [ar.table_file("s2", seg, 3, "T", "2026-01-01"), ar.table_file("s1", "commitlog/1", 3, "T", "2026-01-01")]
-    assert tb.superseded(paths, "s1", [{"path": seg, "generation": 5}]) == [paths[0]]
+    paths = [ar.table_file("g", seg, d, "s1", "T", "2026-01-01") for d in (3, 5, 9)]
+    paths += [ar.table_file("g", "slave/" + seg, 3, "s2", "T", "2026-01-02"),  # a replica's copy: same segment
+              ar.table_file("h", seg, 3, "s1", "T", "2026-01-01"),            # another group
+              ar.table_file("g", "commitlog/1", 3, "s1", "T", "2026-01-01")]  # another segment
+    assert tb.superseded(paths, [{"path": seg, "group": "g", "digest": 5}]) == [paths[0], paths[2], paths[3]]
 
 
 # ---------------------------------------------------------------------------------------------- a Spark job
@@ -151,8 +179,8 @@ def test_table_exactly_once_across_kills_then_duckdb_reads_it(native, tmp_path):
     assert all(x["committed_before"] and x["keys"] == [] for x in result["archive"])
     assert DeltaTable(uri).version() == 0 and check_rows(native, rels, uri) == n
 
-    # 4. a segment compacted to lz4c keeps its generation: not archived again. A new generation of a segment
-    # (its content written again) replaces the old generation's files in one commit, never adds to them.
+    # 4. a segment compacted to lz4c keeps its content: not archived again; nor is a new generation of a segment
+    # whose bytes were written again unchanged (other content replaces: test_master_and_slave_archive_once)
     from tierfs.spark.tasks import compact_segment
 
     lz = compact_segment(store, STORE_ID, segs[0])
@@ -162,13 +190,8 @@ def test_table_exactly_once_across_kills_then_duckdb_reads_it(native, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((d / "result.json").read_text())
     assert result["ok"], result["errors"]
-    by_path = {x["path"]: x for x in result["archive"]}
-    assert by_path[rels[0]].get("committed_before") and by_path[rels[1]]["table_version"] == 1
-    assert by_path[rels[1]]["rows"] == sum(f["rows"] for f in by_path[rels[1]]["files"]) > 0
-    t = table_rows(uri, ["segment", "segment_generation", "topic", "queue_id", "queue_offset"])
-    assert t.num_rows == n
-    gens = Counter(zip(t.column("segment").to_pylist(), t.column("segment_generation").to_pylist()))
-    assert (rels[1], GEN0 + 1) not in gens and gens[(rels[1], GEN0 + 100)] == by_path[rels[1]]["rows"]
+    assert all(x.get("committed_before") for x in result["archive"]) and len(result["archive"]) == 2
+    assert DeltaTable(uri).version() == 0 and check_rows(native, rels, uri) == n
 
     # 5. DuckDB reads the same rows (through delta-rs' Arrow dataset: its delta extension is a download)
     import duckdb
@@ -241,7 +264,8 @@ def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw
     with pytest.raises(ClientError, match="PreconditionFailed"):
         c.put_object(Bucket=bucket, Key=key, Body=b"{}", IfNoneMatch="*")
     two = DeltaTable(table.uri, storage_options=table.storage_options)
-    assert two.version() == 0 and two.transaction_version(tb.app_id(STORE_ID, GEN0)) == GEN0
+    assert two.version() == 0
+    assert two.transaction_version(tb.app_id("broker-a", segs[0]["path"])) == ar.content_digest(segs[0])
 
 
 def test_table_on_a_standalone_cluster_killed_mid_commit(native, tmp_path, spark_cluster):
@@ -290,3 +314,178 @@ def test_an_unreadable_table_fails_each_segment_not_the_job(native, tmp_path):
     assert all(f"archive table file://{objects}/tables/messages cannot be read" in e["error"]
                for e in result["errors"]), result["errors"]
     assert not list((objects / "tables/messages").rglob("*.parquet"))
+
+
+# ---------------------------------------------------------------------------------------------- a broker group
+
+
+def rewrite(data: bytes, change, start: float = 0.0) -> bytes:
+    """A copy of a sealed CommitLog segment whose messages from `start` (a share of the records) on are
+    change(message), re-encoded in place: the same layout, valid CRCs (a rewritten range, or old store times)."""
+    recs = [(pos, rec) for pos, rec in cl.iter_records(data, check_crc=True) if isinstance(rec, cl.Message)]
+    out = bytearray(data)
+    for pos, rec in recs[int(len(recs) * start):]:
+        enc = cl.encode_message(change(rec))
+        assert len(enc) == rec.total_size
+        out[pos:pos + len(enc)] = enc
+    return bytes(out)
+
+
+def place(root: Path, rel: str, data: bytes) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(data)
+
+
+def identities(uri: str) -> Counter:
+    t = table_rows(uri, ["broker", "topic", "queue_id", "queue_offset"])
+    return Counter(zip(*(t.column(c).to_pylist() for c in ("broker", "topic", "queue_id", "queue_offset"))))
+
+
+def test_master_and_slave_archive_each_message_once(native, tmp_path):
+    """A master's and its slave's stores (byte-identical segments at the same offsets) archive into one table:
+    each message once per (broker group, topic, queue, offset), whichever store archives first, and when both
+    are roots of one mount archived by one job. A replica whose segment an unclean election rewrote replaces the
+    segment's rows (reported), never adds to them. Fails on the per-store keying (each store's rows added)."""
+    import dataclasses
+
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    uri = f"file://{objects}/tables/messages"
+    spec = {"url": f"file://{objects}", "options": {}}
+    rels = sorted(sealed(native)["commitlog"])
+    group = tmp_path / "group"
+    for rel in rels:
+        for root in ("master", "slave"):
+            place(group, f"{root}/{rel}", (native / rel).read_bytes())
+    m_segs = [upload(store, group, f"master/{rel}", GEN0 + i) for i, rel in enumerate(rels)]
+    s_segs = [upload(store, group, f"slave/{rel}", GEN0 + 50 + i) for i, rel in enumerate(rels)]
+    want = Counter((m.topic, m.queue_id, m.queue_offset) for m in messages(native, rels).values())
+    assert len(want) == sum(want.values())
+
+    def job(name: str, store_id: str, broker: str, items: list[dict]) -> dict:
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=items, archive_format="delta", broker=broker,
+                    store_id=store_id)
+        r = _job(d)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads((d / "result.json").read_text())
+        assert result["ok"], result["errors"]
+        return result
+
+    def expect(brokers: dict[str, Counter]) -> None:
+        got = identities(uri)
+        assert max(got.values()) == 1, [k for k, n in got.items() if n > 1][:5]
+        for b, w in brokers.items():
+            assert Counter({k[1:]: n for k, n in got.items() if k[0] == b}) == w, b
+
+    # 1. the master's store archives; then the slave's (another store, the same broker name) adds nothing
+    r = job("master", "store-m", "broker-a", m_segs)
+    assert all(x["table_version"] == 0 for x in r["archive"])
+    expect({"broker-a": want})
+    r = job("slave", "store-s", "broker-a", s_segs)
+    assert all(x.get("committed_before") and x["rows"] == 0 for x in r["archive"]) and len(r["archive"]) == len(rels)
+    assert table_rows(uri, ["store_id"]).column("store_id").unique().to_pylist() == ["store-m"]
+    expect({"broker-a": want})
+
+    # 2. both roots on one mount (one store id), one job: each segment written once, its replica takes its outcome
+    r = job("one-mount", "store-ms", "broker-b", m_segs + s_segs)
+    by_path = {x["path"]: x for x in r["archive"]}
+    assert len(by_path) == 2 * len(rels)
+    assert all(by_path[s["path"]].get("replica_of") == m["path"] for m, s in zip(m_segs, s_segs))
+    expect({"broker-a": want, "broker-b": want})
+
+    # 3. an unclean election rewrote the second half of the last segment on the slave: its content replaces the
+    # master's rows of that segment (the replaced digest is reported), no identity is doubled
+    last = rels[-1]
+    place(group, f"diverged/{last}", rewrite((native / last).read_bytes(),
+                                            lambda m: dataclasses.replace(m, body=m.body[::-1]), start=0.5))
+    div = dict(upload(store, group, f"diverged/{last}", GEN0 + 99), path=f"slave/{last}")
+    r = job("unclean", "store-s", "broker-a", [div])
+    (row,) = r["archive"]
+    assert row["replaced_digest"] == ar.content_digest(m_segs[-1]) and row["rows"] > 0
+    from deltalake import DeltaTable
+
+    assert DeltaTable(uri).transaction_version(tb.app_id("broker-a", last)) == ar.content_digest(div)
+    expect({"broker-a": want, "broker-b": want})
+    t = table_rows(uri, ["broker", "segment", "store_id", "body", "phys_offset"]).to_pylist()
+    seg_rows = [x for x in t if x["broker"] == "broker-a" and x["segment"] == f"slave/{last}"]
+    assert len(seg_rows) == row["rows"] and {x["store_id"] for x in seg_rows} == {"store-s"}
+    div_msgs = messages(group, [f"diverged/{last}"])
+    assert all(x["body"] == div_msgs[x["phys_offset"]].body for x in seg_rows)
+    orig = messages(native, [last])
+    assert sum(x["body"] != orig[x["phys_offset"]].body for x in seg_rows) > 0
+    assert not any(x["broker"] == "broker-a" and x["segment"] == f"master/{last}" for x in t)
+
+
+def test_replicas_committing_at_once_add_one_copy(native, tmp_path):
+    """The master's and the slave's drivers commit the same segments from the same table version: the slave's
+    try loses (delta-rs refuses a second commit of the segment's txn, or a second creation of the table) and its
+    commit, looking again, adds nothing. Deterministic: the slave's try is made against the version it read
+    before the master committed."""
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    spec = tb.TableSpec.of_store(f"file://{objects}", {})
+    rels = sorted(sealed(native)["commitlog"])[:4]
+    rows = {}
+    for sid in ("store-m", "store-s"):
+        segs = [upload(store, native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+        rows[sid] = [ar.archive_segment_table(store, sid, seg, tb.TABLE_PREFIX, "broker-a") for seg in segs]
+    for batch, what in ((slice(0, 2), "the table's creation"), (slice(2, 4), "an append")):
+        m, s = rows["store-m"][batch], rows["store-s"][batch]
+        stale = tb._open(spec)  # what the slave's driver read: no table, then version 0
+        assert tb.commit(spec, "store-m", m).raced == []
+        with pytest.raises(tb.LostRace):
+            tb.attempt_commit(stale, spec, "store-s", s)
+        done = tb.commit(spec, "store-s", s)
+        assert sorted(done.raced) == sorted(r["path"] for r in s), what
+    got = identities(spec.uri)
+    assert max(got.values()) == 1 and sum(got.values()) == len(messages(native, rels))
+    assert table_rows(spec.uri, ["store_id"]).column("store_id").unique().to_pylist() == ["store-m"]
+
+
+def test_rows_outlive_the_broker_and_expire_after_retention_days(native, tmp_path):
+    """A segment the broker deleted (its objects gone) keeps its rows; archive.retention_days expires rows by
+    their store date through Delta (delete, then vacuum of the unreferenced files after the grace period)."""
+    import dataclasses
+
+    objects = tmp_path / "objects"
+    store = open_store(f"file://{objects}")
+    uri = f"file://{objects}/tables/messages"
+    spec = {"url": f"file://{objects}", "options": {}}
+    rels = sorted(sealed(native)["commitlog"])
+    aged = tmp_path / "aged"  # the first segment's messages were stored 30 days ago
+    month = 30 * 86_400_000
+    place(aged, rels[0], rewrite((native / rels[0]).read_bytes(), lambda m: dataclasses.replace(
+        m, store_timestamp=m.store_timestamp - month, born_timestamp=m.born_timestamp - month)))
+    segs = [upload(store, aged if i == 0 else native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    old_n = len(messages(aged, rels[:1]))
+
+    def job(name: str, items: list[dict], **doc) -> dict:
+        d = tmp_path / name
+        write_input(d, spec, stages=["archive"], commitlogs=items, archive_format="delta", broker="broker-a", **doc)
+        r = _job(d)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads((d / "result.json").read_text())
+        assert result["ok"], result["errors"]
+        return result
+
+    job("archive", segs)
+    n = table_rows(uri, ["queue_offset"]).num_rows
+    assert n == len(messages(native, rels)) and old_n > 0
+    old_files = [p for p in (objects / "tables/messages").rglob("*.parquet")
+                 if f"date={(TODAY - dt.timedelta(days=30)).isoformat()}" in str(p)
+                 or f"date={(TODAY - dt.timedelta(days=31)).isoformat()}" in str(p)]
+    assert old_files
+    # the broker deletes its segments (their objects go); a job without retention keeps every row
+    store.delete_many([k for s in segs for k in s["objects"]])
+    assert not any(store.exists(k) for s in segs for k in s["objects"])
+    r = job("no-retention", [])
+    assert "table_expiry" not in r and table_rows(uri, ["queue_offset"]).num_rows == n
+    assert all(p.exists() for p in old_files)
+    # 7 days: the month-old rows go (their date partitions' files removed, then vacuumed: grace 0 in the test)
+    r = job("retention", [], today=TODAY.isoformat(), table_expiry={"retention_days": 7, "vacuum_grace_hours": 0})
+    assert r["table_expiry"]["deleted_rows"] == old_n and r["table_expiry"]["vacuumed_files"] >= len(old_files)
+    assert table_rows(uri, ["queue_offset"]).num_rows == n - old_n
+    assert not any(p.exists() for p in old_files)
+    dates = set(table_rows(uri, ["date"]).column("date").to_pylist())
+    assert min(dates) >= TODAY - dt.timedelta(days=7)

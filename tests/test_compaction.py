@@ -194,3 +194,61 @@ def test_s3_compaction_reads_back_identically(mount_store, reference_store, rgw)
     assert got["stats"]["files_by_sidecar"] > 0
     assert [x["phys_offset"] for x in got["messages"]] == [p for p in native_query(ref, topic, key)
                                                           if p in {x["phys_offset"] for x in got["messages"]}]
+
+
+def test_sealed_segments_reach_the_table_within_max_lag(mount_store, reference_store):
+    """archive.max_lag_seconds: with no scheduled run due (a day away), the daemon runs an archive-only job once
+    the oldest unarchived tiered CommitLog segment is half the limit old; every tiered segment's messages land in
+    the table, and the lag the daemon measured (last write to commit, in status and the metrics) is within the
+    limit; the rows carry the brokerName of the store root's brokerIdentity; the first job also runs the table's
+    retention (archive.retention_days). Fails on a daemon that archives only
+    on its schedule (no table within the wait)."""
+    from deltalake import DeltaTable
+
+    max_lag = 120  # the job (JVM start included) must take under half of it: 20-30 s on a loaded 2-core runner
+    ref = reference_store
+    m = mount_store(options=[TIER_OPTS + f",spark.master=local[2],compaction.enabled=true,compaction.stages=archive,"
+                                         f"compaction.interval_seconds=86400,archive.max_lag_seconds={max_lag},"
+                                         f"archive.retention_days=3650"])
+    (m.mnt / "brokerIdentity").write_text("DefaultCluster#broker-x#0")  # what a 5.x controller-mode broker writes
+    copy_in(ref, m.mnt)
+    logs = [p for p in segments(ref) if p.startswith("commitlog/")]
+    wait_for(lambda: sum(by_path(m).get(p, {}).get("state") == "tiered" for p in logs) >= len(logs) - 1,
+             timeout=90, what="CommitLog segments tiered")
+    tiered = [p for p in logs if by_path(m).get(p, {}).get("state") == "tiered"]
+    want = Counter()
+    for rel in tiered:
+        for _, rec in cl.iter_records((ref / rel).read_bytes()):
+            if isinstance(rec, cl.Message):
+                want[(rec.topic, rec.queue_id, rec.queue_offset)] += 1
+    table = m.state_dir / "objects" / "tables" / "messages"
+
+    def in_table() -> bool:
+        if not (table / "_delta_log").is_dir():
+            return False
+        t = DeltaTable(str(table)).to_pyarrow_table(columns=["topic", "queue_id", "queue_offset"])
+        got = Counter(zip(*(t.column(c).to_pylist() for c in ("topic", "queue_id", "queue_offset"))))
+        return all(got[k] == n for k, n in want.items())
+
+    wait_for(in_table, timeout=4 * max_lag, what="the tiered segments' messages in the archive table")
+    wait_for(lambda: status(m)["compaction"].get("archive_last_lag_seconds") is not None, timeout=60,
+             what="the daemon applying the archive job")
+    c = status(m)["compaction"]
+    print(f"\narchive lag: {c['archive_last_lag_seconds']} s measured, {max_lag} s allowed")
+    assert 0 < c["archive_last_lag_seconds"] <= max_lag, c
+    # the rows carry the brokerName the broker recorded in its store root (archive.broker_name unset)
+    assert DeltaTable(str(table)).to_pyarrow_table(columns=["broker"]).column("broker").unique().to_pylist() == \
+        ["broker-x"]
+    assert c["archive_max_lag_seconds"] == max_lag
+    text = (m.ctl / "metrics").read_text()
+    last = float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("tierfs_archive_last_lag_seconds ")))
+    assert 0 < last <= max_lag
+    assert "tierfs_archive_lag_seconds " in text
+    assert "archive lag:" in tierfs("status", str(m.mnt)).stdout
+    jobs = [json.loads(p.read_text()) for p in (m.state_dir / "jobs").glob("*/input.json")]
+    assert jobs and all(j["stages"] == ["archive"] and j["trigger"] == "freshness" for j in jobs), jobs
+    # archive.retention_days: the daemon's first job also expires the table (nothing is 10 years old here)
+    expiring = [p.parent for p in (m.state_dir / "jobs").glob("*/input.json")
+                if json.loads(p.read_text())["table_expiry"] == {"retention_days": 3650, "vacuum_grace_hours": 168}]
+    assert expiring
+    assert json.loads((expiring[0] / "result.json").read_text())["table_expiry"]["deleted_rows"] == 0

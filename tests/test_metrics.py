@@ -48,6 +48,8 @@ REQUIRED = {
     # what the fleet's alerts watch (examples/prometheus/tierfs-alerts.yml)
     "tierfs_worker_restarts", "tierfs_lease_held", "tierfs_lease_fenced", "tierfs_hot_dir_size_bytes",
     "tierfs_hot_dir_free_bytes",
+    # archive freshness (archive.max_lag_seconds)
+    "tierfs_archive_lag_seconds", "tierfs_archive_max_lag_seconds",
 }
 HISTOGRAMS = {"tierfs_upload_seconds", "tierfs_upload_bytes", "tierfs_download_seconds", "tierfs_download_bytes",
               "tierfs_fuse_op_seconds", "tierfs_readahead_window_blocks"}

@@ -499,6 +499,8 @@ BAD_INPUTS = [
     ("bad-url", {"store": {"url": "ftp://host/x", "options": {}}}, "unknown scheme 'ftp'"),
     ("bad-option", {"store": {"url": "file:///tmp/x", "options": {"colour": 1}}}, "unknown option(s) colour"),
     ("bad-retention", {"retention": {"*": -1}}, "'retention' of topic '*' must be a number of days >= 0"),
+    ("bad-table-expiry", {"table_expiry": {"retention_days": 7, "vacuum_grace_hours": 0.5}},
+     "'table_expiry' must be an object with retention_days (a number >= 0) and vacuum_grace_hours (an integer"),
 ]
 
 

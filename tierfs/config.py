@@ -278,8 +278,23 @@ SCHEMA: tuple[Key, ...] = (
         "partitioned by topic and date, each segment generation committed exactly once) or parquet (plain files "
         "per segment under <store-id>/archive/, for readers without a table engine).", choices=("delta", "parquet")),
     Key("archive.broker_name", "str", "",
-        "The broker column of the archive table's rows (the brokerName of this store's broker group). "
-        "Empty: the store id."),
+        "The broker column of the archive table's rows (the brokerName of this store's broker group): stores "
+        "archiving under one name (a master and its slaves) commit each segment once, keyed by its base offset "
+        "and content. Empty: the brokerName in a store root's brokerIdentity file (5.x controller mode), else the "
+        "store id, each store root on its own."),
+    Key("archive.retention_days", "float", 0.0,
+        "Rows of the archive table (archive.format = delta) whose store date is older than this many days are "
+        "expired by the archive job (a Delta delete, then a vacuum of the unreferenced files). 0: kept forever; "
+        "rows outlive the broker's own retention either way.", minimum=0),
+    Key("archive.vacuum_grace_hours", "int", 168,
+        "Files of the archive table are deleted only by its vacuum, once unreferenced this long (queries reading "
+        "an older table version keep theirs until then; also covers a job still writing before its commit).",
+        minimum=0),
+    Key("archive.max_lag_seconds", "float", 300.0,
+        "Freshness of the archive: a sealed CommitLog segment reaches it within this long of its last write. "
+        "The daemon runs an archive-only job once the oldest unarchived tiered segment is half this old (sooner "
+        "when jobs take longer); tierfs_archive_lag_seconds and `tierfs status` show the lag. 0: scheduled runs "
+        "only.", minimum=0),
     Key("archive.retention", "str", "",
         "Per-topic retention of the archive (archive.format = parquet): TOPIC=DAYS,...,*=DAYS (days after the "
         "message date). Empty: keep forever."),

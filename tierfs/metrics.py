@@ -209,6 +209,7 @@ class StateCollector:
             restarts.add_metric([name], got_restarts.get(name, 0))
         yield restarts
         yield from self._lease(eng)
+        yield from self._archive(eng)
         alog = getattr(eng, "appendlog", None)
         if alog is not None:
             lag = GaugeMetricFamily(PREFIX + "rpo_lag_seconds", "Achieved RPO: age of the oldest write the bucket "
@@ -287,6 +288,20 @@ class StateCollector:
                                 value=eng.cache.prefetch_inflight)
         yield GaugeMetricFamily(PREFIX + "prefetch_budget_bytes", "The read-ahead budget (readahead.budget_bytes).",
                                 value=self.readahead_budget)
+
+    @staticmethod
+    def _archive(eng: Engine) -> Iterator[Metric]:
+        """Freshness of the archive (archive.max_lag_seconds): what waits now, and what the last job achieved."""
+        c = eng.compactor
+        lag = c.archive_lag()
+        if lag is not None:
+            yield GaugeMetricFamily(PREFIX + "archive_lag_seconds", "Age (since its last write) of the oldest sealed "
+                                    "CommitLog segment not archived yet; 0 when none waits.", value=lag)
+        if c.last_archive_lag is not None:
+            yield GaugeMetricFamily(PREFIX + "archive_last_lag_seconds", "Worst time from last write to the archive "
+                                    "of the segments the last archiving job committed.", value=c.last_archive_lag)
+        yield GaugeMetricFamily(PREFIX + "archive_max_lag_seconds", "The freshness bound (archive.max_lag_seconds).",
+                                value=float(eng.config["archive.max_lag_seconds"]))
 
     @staticmethod
     def _lease(eng: Engine) -> Iterator[Metric]:

@@ -341,6 +341,11 @@ def render_compaction(c: dict) -> list[str]:
         for stage, p in (r.get("progress") or {}).items():
             mark = " <- running" if stage == r.get("stage") and p["done"] < p["total"] else ""
             out.append(f"    stage {stage}: {p['done']}/{p['total']} segments done, {p['failed']} failed{mark}")
+    if c.get("archive_lag_seconds") is not None:
+        last = c.get("archive_last_lag_seconds")
+        out.append(f"  archive lag: {c['archive_lag_seconds']:.0f} s now (oldest sealed segment not archived), "
+                   f"max {c.get('archive_max_lag_seconds', 0):.0f} s"
+                   + ("" if last is None else f"; last job's worst {last:.0f} s"))
     jobs = list((c.get("last") or [])[:3])
     useful = c.get("last_useful")
     if useful and all(j.get("job_id") != useful.get("job_id") for j in jobs):

@@ -41,7 +41,7 @@ __all__ = [
     "ArchiveError", "SCHEMA_FIELDS", "arrow_schema", "archive_prefix", "archive_key", "parse_archive_key", "part_name",
     "escape_partition_value", "unescape_partition_value", "iter_messages", "retention_days", "is_expired",
     "archive_segment", "sweep", "TABLE_FIELDS", "safe_name", "table_file", "parse_table_file",
-    "archive_segment_table",
+    "archive_segment_table", "broker_group", "segment_base", "content_digest",
 ]
 
 DAY_MS = 86_400_000
@@ -548,33 +548,72 @@ def safe_name(text: str) -> str:
     return "".join(chr(b) if chr(b) in _SAFE else f"_{b:02X}" for b in text.encode("utf-8"))
 
 
-def table_file(store_id: str, path: str, generation: int, topic: str, date: str) -> str:
-    """A table data file's path below the table root: named by its store, segment and generation (a re-run
-    overwrites the same file, two stores never share one), in directories of its partition."""
-    return (f"topic={safe_name(topic)}/date={date}/"
-            f"part-{safe_name(store_id)}~{safe_name(part_name(path))}-g{generation}.parquet")
+def broker_group(broker: str, store_id: str, path: str) -> tuple[str, str]:
+    """(broker column, broker group) of a segment's rows. A named broker (archive.broker_name, or the brokerName
+    the daemon read from the store root's brokerIdentity) is its own group: the stores of its master and slaves
+    hold byte-identical segments, archived once. Unnamed, the rows carry the store id and each store root is a
+    group of its own (two unnamed masters' segments of the same name are different messages: never merged)."""
+    if broker:
+        return broker, broker
+    root = split_root(path)[0]
+    return store_id, f"{store_id}/{root}" if root else store_id
 
 
-_TABLE_FILE_RE = re.compile(r"(?:^|/)part-([A-Za-z0-9.\-_]+)~([A-Za-z0-9.\-_]+)-g(\d+)\.parquet$")
+def segment_base(path: str) -> str:
+    """The name a segment has on every replica of its group: its log and its file name (the base offset), without
+    the store root or the DLedger member ('slave/commitlog/0000...' -> 'commitlog~0000...')."""
+    tag = "dledger" if classify(path) is Kind.DLEDGER_DATA else "commitlog"
+    return f"{tag}~{path.rsplit('/', 1)[-1]}"
+
+
+def content_digest(seg: Mapping) -> int:
+    """A 62-bit digest of a segment's content from its catalog entry (size, crc32c, every block's crc32c): equal on
+    every replica holding the same bytes, different (but for a 2^-62 chance) once any block differs, with no byte
+    read. It is the table's `txn` version of the segment (tierfs.spark.table)."""
+    import hashlib
+
+    try:
+        parts = [int(seg["size"]), int(seg["crc32c"]), *(int(c) for c in seg.get("block_crcs") or ())]
+    except (KeyError, TypeError, ValueError):
+        raise ArchiveError(f"{seg.get('path')}: the segment entry has no crc32c (the archive table keys a segment "
+                           f"by its content)") from None
+    h = hashlib.blake2b(struct.pack(f">{len(parts)}q", *parts), digest_size=8).digest()
+    return int.from_bytes(h, "big") >> 2
+
+
+def table_file(group: str, path: str, digest: int, store_id: str, topic: str, date: str) -> str:
+    """A table data file's path below the table root, in directories of its partition: named by the segment's
+    group and base name (the files of one segment are found by that prefix, whichever replica wrote them), its
+    content digest, and the store and segment path that wrote it (a re-run overwrites the same file; two writers
+    never share one)."""
+    return (f"topic={safe_name(topic)}/date={date}/part-{safe_name(group)}~{safe_name(segment_base(path))}"
+            f"~{digest:016x}~{safe_name(store_id)}~{safe_name(part_name(path))}.parquet")
+
+
+_TABLE_FILE_RE = re.compile(r"(?:^|/)part-([A-Za-z0-9.\-_]+)~([A-Za-z0-9.\-_]+)~([0-9a-f]{16})~[A-Za-z0-9.\-_]+"
+                            r"~[A-Za-z0-9.\-_]+\.parquet$")
 
 
 def parse_table_file(rel: str) -> tuple[str, str, int] | None:
-    """(safe store id, safe segment name, generation) of a table file path, None for a file not written here."""
+    """(safe group, safe segment base, content digest) of a table file path, None for a file not written here."""
     m = _TABLE_FILE_RE.search(rel)
-    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+    return (m.group(1), m.group(2), int(m.group(3), 16)) if m else None
 
 
 def archive_segment_table(store: ObjectStore, store_id: str, seg: dict, table_prefix: str, broker: str,
                           read: Callable[[ObjectStore, dict], Iterable[bytes]] | None = None) -> dict:
     """Write one tiered CommitLog segment's rows as data files of the archive table (not yet committed: the
-    driver commits every segment of a job in one table transaction, tierfs.spark.table). Returns its archive[]
-    row with `files`: path below the table root, size, partition values, row count, stats of each file."""
+    driver commits every segment of a job in one table transaction, tierfs.spark.table). `broker`: the broker
+    name ("" -> unnamed, broker_group). Returns its archive[] row with `group`, `digest` and `files`: path below
+    the table root, size, partition values, row count, stats of each file."""
     path, gen = seg["path"], int(seg["generation"])
-    constants = {"broker": broker, "store_id": store_id, "segment": path, "segment_generation": gen}
+    column, group = broker_group(broker, store_id, path)
+    digest = content_digest(seg)
+    constants = {"broker": column, "store_id": store_id, "segment": path, "segment_generation": gen}
     with _decoded(store, seg, {}, _dt.date.today(), read, constants) as (w, done, consumed):
         files, nbytes, rows = [], 0, 0
         for g in done:
-            rel = table_file(store_id, path, gen, g.topic, g.date)
+            rel = table_file(group, path, digest, store_id, g.topic, g.date)
             info = store.put_file(table_prefix + rel, g.path)
             stats = {"numRecords": g.count, "minValues": {"segment_generation": gen},
                      "maxValues": {"segment_generation": gen}, "nullCount": {}}
@@ -582,8 +621,8 @@ def archive_segment_table(store: ObjectStore, store_id: str, seg: dict, table_pr
                           "stats": stats})
             nbytes += info.size
             rows += g.count
-        return {"path": path, "generation": gen, "rows": rows, "keys": [], "files": files, "bytes": nbytes,
-                "expired_rows": 0, "bytes_read": consumed()}
+        return {"path": path, "generation": gen, "group": group, "digest": digest, "rows": rows, "keys": [],
+                "files": files, "bytes": nbytes, "expired_rows": 0, "bytes_read": consumed()}
 
 
 # ---------------------------------------------------------------------------------------------------- driver sweep

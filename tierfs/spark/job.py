@@ -79,7 +79,9 @@ class JobInput:
     today: _dt.date
     posix_shared: bool = False
     archive_format: str = "parquet"       # "parquet" (files per segment) | "delta" (the archive table)
-    broker: str = ""                      # the broker column of the archive table ("" -> the store id)
+    broker: str = ""                      # the broker name of the table's rows ("": unnamed, see archive.broker_group)
+    table_retention_days: float = 0.0     # the table's rows older than this many days are expired (0: kept)
+    vacuum_grace_hours: int = 168         # table files unreferenced this long are vacuumed
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -196,11 +198,19 @@ def parse_input(doc: dict, job_dir: Path, where: str) -> JobInput:
     broker = doc.get("broker", "")
     if not isinstance(broker, str):
         raise InputError(f"{where}: 'broker' must be a string (the broker name of the archive table's rows)")
+    expiry = doc.get("table_expiry") or {}
+    days, grace = (expiry.get("retention_days", 0), expiry.get("vacuum_grace_hours", 168)) \
+        if isinstance(expiry, dict) else (None, None)
+    if not isinstance(days, (int, float)) or isinstance(days, bool) or not 0 <= days < math.inf \
+            or not isinstance(grace, int) or isinstance(grace, bool) or grace < 0:
+        raise InputError(f"{where}: 'table_expiry' must be an object with retention_days (a number >= 0) and "
+                         f"vacuum_grace_hours (an integer >= 0), not {json.dumps(expiry)[:80]}")
     inp = JobInput(job_dir=job_dir, job_id=job_id, stages=[s for s in STAGES if s in stages],
                    store={"url": url.strip(), "options": dict(options)}, store_id=store_id, spark=spark, items=items,
                    max_hash_slot_num=limits["max_hash_slot_num"], max_index_num=limits["max_index_num"],
                    retention=retention, today=today, posix_shared=posix_shared, archive_format=archive_format,
-                   broker=broker.strip() or store_id, raw=doc)
+                   broker=broker.strip(), table_retention_days=float(days),
+                   vacuum_grace_hours=grace, raw=doc)
     if inp.store["url"].lower().startswith("file:") and not is_local_master(inp.master) and not posix_shared:
         raise InputError(f"{where}: store {inp.store['url']!r} with spark.master {inp.master!r}: {SHARED_HINT}")
     return inp
@@ -275,7 +285,7 @@ def run_item(p: StageParams, seg: dict) -> dict:
             from tierfs.spark.archive import archive_segment_table
             from tierfs.spark.table import TABLE_PREFIX
 
-            row = archive_segment_table(store, p.store_id, seg, TABLE_PREFIX, p.broker)
+            row = archive_segment_table(store, p.store_id, seg, TABLE_PREFIX, seg.get("broker") or p.broker)
             bytes_in, bytes_out = int(row.pop("bytes_read")), int(row["bytes"])
         else:
             from tierfs.spark.archive import archive_segment
@@ -535,11 +545,14 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
             else:
                 result["errors"].append({"stage": stage, "path": seg["path"], "error": outcome["error"]})
 
+        replicas: dict[str, list[dict]] = {}
         if table:
-            good = _not_yet_in_table(inp, good, result)
+            good, replicas = _not_yet_in_table(inp, good, result)
         report = run_stage(sc, stage, good, params, progress, on_item)
         if table:
-            _commit_table(inp, pending, result)
+            _commit_table(inp, pending, replicas, result)
+            if inp.table_retention_days > 0:
+                _expire_table(inp, result)
         elif stage == "archive":
             _sweep(inp, result, lease)
         result["stages"][stage] = vars(report)
@@ -548,44 +561,101 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
     return result
 
 
-def _not_yet_in_table(inp: JobInput, segs: list[dict], result: dict) -> list[dict]:
-    """The segments whose generation the archive table does not hold yet. Those it holds (a job killed after its
-    commit, before its result) are archive[] rows again, marked `committed_before`, and are not written twice."""
-    from tierfs.spark.table import TableSpec, committed
+def _table_key(inp: JobInput, seg: dict) -> tuple[str, int]:
+    """(broker group, content digest) of a segment (tierfs.spark.archive.broker_group, content_digest)."""
+    from tierfs.spark.archive import broker_group, content_digest
+
+    return broker_group(seg.get("broker") or inp.broker, inp.store_id, seg["path"])[1], content_digest(seg)
+
+
+def _not_yet_in_table(inp: JobInput, segs: list[dict], result: dict) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The segments to write: those whose content the table does not hold for their broker group yet. Those it
+    holds (archived by a job killed after its commit, or by a replica of the group) are archive[] rows again,
+    marked `committed_before`, and are not written twice. Of several segments of one key in this job (the master
+    and slave roots of one mount) one is written; the others (`replicas`: path written -> theirs) take its
+    outcome, or wait for the next job when their content differs."""
+    from tierfs.spark.archive import ArchiveError, segment_base
+    from tierfs.spark.table import TableSpec, held
 
     spec = TableSpec.of_store(inp.store["url"], inp.store["options"])
+    keyed: list[tuple[dict, str, int]] = []
+    for seg in segs:
+        try:
+            group, digest = _table_key(inp, seg)
+        except ArchiveError as e:
+            result["errors"].append({"stage": "archive", "path": seg["path"], "error": str(e)})
+            continue
+        keyed.append((seg, group, digest))
     try:
-        have = committed(spec, inp.store_id, [int(seg["generation"]) for seg in segs])
+        have = held(spec, {(g, seg["path"]) for seg, g, _ in keyed})
     except Exception as e:  # noqa: BLE001 - an unreadable table: every segment is an error, nothing is written
-        for seg in segs:
+        for seg, _, _ in keyed:
             result["errors"].append({"stage": "archive", "path": seg["path"],
                                      "error": f"archive table {spec.uri} cannot be read: {type(e).__name__}: {e}"})
-        return []
-    for seg in segs:
-        if int(seg["generation"]) in have:
-            result["archive"].append({"path": seg["path"], "generation": int(seg["generation"]), "rows": 0,
-                                      "keys": [], "bytes": 0, "expired_rows": 0, "committed_before": True})
-    return [seg for seg in segs if int(seg["generation"]) not in have]
+        return [], {}
+    todo: list[dict] = []
+    first: dict[tuple[str, str], tuple[dict, int]] = {}
+    replicas: dict[str, list[dict]] = {}
+    for seg, group, digest in keyed:
+        if have[(group, seg["path"])] == digest:
+            result["archive"].append(_skipped_row(seg, group, digest, committed_before=True))
+            continue
+        k = (group, segment_base(seg["path"]))
+        if k not in first:
+            first[k] = (seg, digest)
+            todo.append(seg)
+        elif first[k][1] == digest:
+            replicas.setdefault(first[k][0]["path"], []).append(seg)
+        else:
+            print(f"tierfs.spark: {seg['path']} of broker group {group}: its content differs from "
+                  f"{first[k][0]['path']} archived in this job; left for the next job", file=sys.stderr)
+    return todo, replicas
 
 
-def _commit_table(inp: JobInput, rows: list[dict], result: dict) -> None:
+def _skipped_row(seg: dict, group: str, digest: int, **flag: Any) -> dict:
+    return {"path": seg["path"], "generation": int(seg["generation"]), "group": group, "digest": digest, "rows": 0,
+            "keys": [], "bytes": 0, "expired_rows": 0, **flag}
+
+
+def _commit_table(inp: JobInput, rows: list[dict], replicas: dict[str, list[dict]], result: dict) -> None:
     """One table transaction for every segment archived by this job (tierfs.spark.table.commit). A failed commit
-    makes each of its segments an error (the daemon retries them; their written files are not in the table)."""
+    makes each of its segments (and their replicas in this job) an error (the daemon retries them; their written
+    files are not in the table)."""
     from tierfs.spark.table import TableSpec, commit
 
     if not rows:
         return
     failpoints.hit("archive.table.before_commit")  # tests: "kill" between writing the files and the commit
     try:
-        version = commit(TableSpec.of_store(inp.store["url"], inp.store["options"]), inp.store_id, rows)
+        done = commit(TableSpec.of_store(inp.store["url"], inp.store["options"]), inp.store_id, rows)
     except Exception as e:  # noqa: BLE001 - reported per segment
         for row in rows:
-            result["errors"].append({"stage": "archive", "path": row["path"],
-                                     "error": f"archive table commit failed: {type(e).__name__}: {e}"})
+            for seg in [row, *replicas.get(row["path"], [])]:
+                result["errors"].append({"stage": "archive", "path": seg["path"],
+                                         "error": f"archive table commit failed: {type(e).__name__}: {e}"})
         return
     failpoints.hit("archive.table.after_commit")  # tests: "kill" between the commit and the result
     for row in rows:
-        result["archive"].append(dict(row, table_version=version))
+        if row["path"] in done.raced:  # a replica committed the same content first: its files are the table's
+            result["archive"].append(_skipped_row(row, row["group"], row["digest"], committed_before=True))
+        else:
+            extra = {"replaced_digest": done.replaced[row["path"]]} if row["path"] in done.replaced else {}
+            result["archive"].append(dict(row, table_version=done.version, **extra))
+        for seg in replicas.get(row["path"], []):
+            result["archive"].append(_skipped_row(seg, row["group"], row["digest"], replica_of=row["path"]))
+
+
+def _expire_table(inp: JobInput, result: dict) -> None:
+    """archive.retention_days of the table (tierfs.spark.table.expire): rows dated before today - days go."""
+    from tierfs.spark.table import TableSpec, expire
+
+    spec = TableSpec.of_store(inp.store["url"], inp.store["options"])
+    cutoff = inp.today - _dt.timedelta(days=math.ceil(inp.table_retention_days))
+    try:
+        result["table_expiry"] = dict(expire(spec, cutoff, inp.vacuum_grace_hours), before=cutoff.isoformat())
+    except Exception as e:  # noqa: BLE001 - reported, the rest of the job stands
+        result["errors"].append({"stage": "archive", "path": spec.uri,
+                                 "error": f"archive table expiry failed: {type(e).__name__}: {e}"})
 
 
 def _sweep(inp: JobInput, result: dict, lease: dict | None) -> None:

@@ -37,7 +37,8 @@ from tierfs import failpoints
 from tierfs.config import parse_retention
 from tierfs.objectstore import ObjectStore
 from tierfs.store import cidx
-from tierfs.store.paths import MESSAGE_LOGS, Kind
+from tierfs.store import brokeridentity
+from tierfs.store.paths import MESSAGE_LOGS, Kind, split_root
 from tierfs.tier import layout, lz4c
 from tierfs.tier.catalog import Artifact, Entry, State
 
@@ -48,6 +49,7 @@ log = logging.getLogger("tierfs.compaction")
 
 STAGES = ("segments", "index", "archive")
 KEEP_JOB_DIRS = 20
+EXPIRY_PERIOD = 3600.0  # the archive table's retention runs at most this often (and at the daemon's first job)
 VERIFY_BATCH_BLOCKS = 16
 
 
@@ -151,12 +153,18 @@ class Compactor:
         self.requests = requests_dir(engine.state_dir)
         self.running: Job | None = None
         self._lock = trio.Lock()
+        self._archived: set[tuple[str, int]] | None = None  # (path, generation) of archived segments (catalog)
+        self._archive_job_seconds = 0.0  # how long the last job archiving anything took (freshness scheduling)
+        self._fresh_not_before = 0.0
+        self._expired_at: float | None = None
+        self.last_archive_lag: float | None = None  # worst seal-to-table lag of the last job's segments
 
     # ------------------------------------------------------------------ loops
 
     async def run(self) -> None:
         self.jobs.mkdir(exist_ok=True)
         await self._recover()
+        await self.archived()
         interval = float(self.config["compaction.interval_seconds"])
         next_scheduled = time.monotonic() + interval
         while True:
@@ -165,12 +173,52 @@ class Compactor:
                 continue
             for req in sorted(self.requests.glob("*.json")) if self.requests.is_dir() else []:
                 await self._run_request(req)
+            stages = [s.strip() for s in self.config["compaction.stages"].split(",") if s.strip()]
             if self.config["compaction.enabled"] and time.monotonic() >= next_scheduled:
-                stages = [s.strip() for s in self.config["compaction.stages"].split(",") if s.strip()]
                 await self.run_job(new_job_id(), stages, {}, float(self.config["compaction.min_age_seconds"]),
                                    "schedule")
                 next_scheduled = time.monotonic() + interval
+            elif self.config["compaction.enabled"] and "archive" in stages and await self._archive_due():
+                summary = await self.run_job(new_job_id(), ["archive"], {}, 0.0, "freshness")
+                self._fresh_not_before = time.monotonic() + (1.0 if summary.get("ok") else
+                                                              max(5.0, self._max_lag() / 2))
             await trio.sleep(1.0)
+
+    # ------------------------------------------------------------------ archive freshness
+
+    def _max_lag(self) -> float:
+        return float(self.config["archive.max_lag_seconds"])
+
+    async def archived(self) -> set[tuple[str, int]]:
+        """(path, generation) of every segment the catalog records as archived (cached; jobs add to it)."""
+        if self._archived is None:
+            arts = await self.eng.db(self.eng.catalog.artifacts, "archive")
+            self._archived = {(a.path, a.generation) for a in arts}
+        return self._archived
+
+    def archive_lag(self, tiered_only: bool = False) -> float | None:
+        """Age (since its last write, which is before its seal) of the oldest sealed message log not archived yet;
+        0 when none waits, None before the archived set is loaded. `tiered_only`: of those the archive can read
+        already."""
+        done = self._archived
+        if done is None:
+            return None
+        oldest = min((e.mtime_ns for e in list(self.eng.entries.values())
+                      if e.kind in MESSAGE_LOGS and e.state is not State.HOT
+                      and (not tiered_only or e.state is State.TIERED) and (e.path, e.generation) not in done),
+                     default=None)
+        return 0.0 if oldest is None else max(0.0, time.time() - oldest / 1e9)
+
+    async def _archive_due(self) -> bool:
+        """archive.max_lag_seconds: an archive-only job is due when the oldest archivable segment is half the limit
+        old, or earlier by twice the last archiving job's duration when that leaves less."""
+        limit = self._max_lag()
+        if limit <= 0 or time.monotonic() < self._fresh_not_before:
+            return False
+        await self.archived()
+        trigger = max(0.0, min(limit / 2, limit - 2 * self._archive_job_seconds))
+        lag = self.archive_lag(tiered_only=True) or 0.0
+        return lag > 0 and lag >= trigger
 
     async def _run_request(self, req: Path) -> None:
         try:
@@ -208,7 +256,7 @@ class Compactor:
                 inp = await self._build_input(job, spark, min_age)
                 write_json_atomic(d / "input.json", inp, mode=0o600)
                 n = len(inp["segments"]) + len(inp["indexes"]) + len(inp["commitlogs"])
-                if n == 0:
+                if n == 0 and not inp.get("table_expiry"):
                     summary = {"job_id": job_id, "ok": True, "trigger": trigger, "stages": stages, "applied": {},
                                "skipped": [], "errors": [], "seconds": 0.0, "note": "nothing to do"}
                     write_json_atomic(d / "applied.json", summary)
@@ -226,7 +274,12 @@ class Compactor:
                     write_json_atomic(d / "applied.json", summary)
                     log.error("compaction job %s failed (exit %s): %s", job_id, rc, tail)
                     return summary
-                return await self._apply_dir(d)
+                summary = await self._apply_dir(d)
+                if inp.get("table_expiry"):
+                    self._expired_at = time.monotonic()
+                if inp["commitlogs"]:
+                    self._archive_job_seconds = time.time() - job.started
+                return summary
             finally:
                 self.running = None
                 self._prune()
@@ -244,8 +297,23 @@ class Compactor:
         conf = self.config.spark_conf()
         conf.update(spark)
         retention = parse_retention(self.config["archive.retention"])
+        commitlogs = [seg_record(e) for e in tiered if "archive" in job.stages
+                      and e.kind in MESSAGE_LOGS and (e.path, "archive", e.generation) not in have]
+        if self.config["archive.format"] == "delta" and not self.config["archive.broker_name"]:
+            names = {}
+            for root in {split_root(c["path"])[0] for c in commitlogs}:
+                names[root] = await trio.to_thread.run_sync(brokeridentity.broker_name, eng.hot / root)
+            for c in commitlogs:
+                if names[split_root(c["path"])[0]]:
+                    c["broker"] = names[split_root(c["path"])[0]]
+        days = float(self.config["archive.retention_days"])
+        expiry = {}
+        if "archive" in job.stages and self.config["archive.format"] == "delta" and days > 0 and \
+                (self._expired_at is None or time.monotonic() - self._expired_at >= EXPIRY_PERIOD):
+            expiry = {"retention_days": days, "vacuum_grace_hours": int(self.config["archive.vacuum_grace_hours"])}
         return {
             "job_id": job.job_id,
+            "trigger": job.trigger,
             "stages": job.stages,
             "store": {"url": eng.store_url(), "options": eng.store_options()},
             "store_id": eng.store_id,
@@ -256,8 +324,8 @@ class Compactor:
             "segments": [seg_record(e) for e in tiered if "segments" in job.stages and e.format == "raw"],
             "indexes": [seg_record(e) for e in tiered if "index" in job.stages and e.kind == Kind.INDEX.value
                         and (e.path, "cidx", e.generation) not in have],
-            "commitlogs": [seg_record(e) for e in tiered if "archive" in job.stages
-                           and e.kind in MESSAGE_LOGS and (e.path, "archive", e.generation) not in have],
+            "commitlogs": commitlogs,
+            "table_expiry": expiry,
             "max_hash_slot_num": int(self.config["broker.max_hash_slot_num"]),
             "max_index_num": int(self.config["broker.max_index_num"]),
             "retention": retention,
@@ -335,6 +403,18 @@ class Compactor:
             arts.append(Artifact(e.path if e is not None else row["path"], "archive", row["generation"],
                                  list(row.get("keys") or []),
                                  {"rows": row.get("rows", 0), "bytes": row.get("bytes", 0)}))
+        lags = []
+        for row in result.get("archive") or []:
+            e = self._entry_of(row, fids)
+            if e is not None:
+                lags.append(time.time() - e.mtime_ns / 1e9)
+            if row.get("replaced_digest") is not None:
+                log.warning("archive table: %s (generation %s) replaced other content of the same segment of broker "
+                            "group %s (digest %016x -> %016x): a replica's segment diverged (unclean election?) or "
+                            "was rewritten", row["path"], row["generation"], row.get("group"),
+                            int(row["replaced_digest"]), int(row.get("digest", 0)))
+        if lags:
+            self.last_archive_lag = round(max(lags), 3)
         if arts:
             new_cidx = {a.path: a for a in arts if a.kind == "cidx"}
             old = await eng.db(eng.catalog.artifacts, "cidx")
@@ -342,6 +422,8 @@ class Compactor:
             await eng.db(eng.catalog.put_many, [], replaced, time.time() + grace, arts)
             applied["indexes"] = sum(a.kind == "cidx" for a in arts)
             applied["archive"] = sum(a.kind == "archive" for a in arts)
+            if self._archived is not None:
+                self._archived.update((a.path, a.generation) for a in arts if a.kind == "archive")
         summary = {"job_id": result.get("job_id", d.name), "ok": bool(result.get("ok", True)) and not errors,
                    "stages": result.get("stages"), "applied": applied, "skipped": skipped, "errors": errors,
                    "seconds": result.get("seconds"),
@@ -349,7 +431,8 @@ class Compactor:
                    "bytes_in": sum(r.get("size", 0) for r in result.get("segments") or []),
                    "bytes_out": sum(r.get("compressed_bytes", 0) for r in result.get("segments") or []),
                    "archive_rows": sum(r.get("rows", 0) for r in result.get("archive") or []),
-                   "archive_deleted": len(result.get("archive_deleted") or [])}
+                   "archive_deleted": len(result.get("archive_deleted") or []),
+                   "table_expiry": result.get("table_expiry")}
         write_json_atomic(d / "applied.json", summary)
         log.info("compaction job %s applied: %s; %d skipped, %d errors", summary["job_id"], applied,
                  len(summary["skipped"]), len(summary["errors"]))
@@ -393,7 +476,9 @@ class Compactor:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict:
-        out: dict = {"running": None, "last": []}
+        lag = self.archive_lag()
+        out: dict = {"running": None, "last": [], "archive_lag_seconds": None if lag is None else round(lag, 3),
+                     "archive_max_lag_seconds": self._max_lag(), "archive_last_lag_seconds": self.last_archive_lag}
         if self.running is not None:
             j = self.running
             per_stage = stage_progress(j.dir)
