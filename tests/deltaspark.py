@@ -94,13 +94,13 @@ def stop(spark) -> None:
         proc.wait()
 
 
-def s3a(spark, bucket: str, endpoint_url: str, access_key: str, secret_key: str, region: str) -> None:
-    """Per-bucket S3A settings for a path-style, plain-HTTP S3 endpoint (Ceph RGW on 127.0.0.1)."""
+def s3a(spark, endpoint_url: str, access_key: str, secret_key: str, region: str) -> None:
+    """S3A settings for a path-style S3 endpoint (Ceph RGW on 127.0.0.1): the keys the README tells a user to pass
+    as --conf spark.hadoop.fs.s3a.*."""
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     for k, v in {"endpoint": endpoint_url, "endpoint.region": region, "path.style.access": "true",
-                 "connection.ssl.enabled": "false", "access.key": access_key, "secret.key": secret_key,
-                 "aws.credentials.provider": "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"}.items():
-        conf.set(f"fs.s3a.bucket.{bucket}.{k}", v)
+                 "access.key": access_key, "secret.key": secret_key}.items():
+        conf.set(f"fs.s3a.{k}", v)
 
 
 @pytest.fixture(scope="module")

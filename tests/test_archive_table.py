@@ -260,7 +260,7 @@ def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw
     topic = sorted({m.topic for m in want.values()})[0]
     got = duckdb.connect().execute("SELECT count(*) FROM messages_ds WHERE topic = ?", [topic]).fetchall()[0][0]
     assert got == sum(m.topic == topic for m in want.values())
-    ds.s3a(delta_sql, bucket, rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.region)
+    ds.s3a(delta_sql, rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.region)
     spark_sql_reads_every_message(delta_sql, f"s3a://{bucket}/t/{tb.TABLE_PREFIX.rstrip('/')}", native, rels)
     assert rgw.secret_key not in (tmp_path / "rerun" / "result.json").read_text()
     # what two stores committing at once rely on: the log's next commit is created only if absent
