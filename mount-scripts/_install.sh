@@ -75,9 +75,10 @@ install_rocketmq() {
 # install: those tests must fail, never skip.
 install_delta_spark() {
   command -v mvn >/dev/null 2>&1 || apt_install maven
-  local args out
-  read -r -a args <<< "$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import deltaspark
-print(*deltaspark.resolve_args())' "$REPO/tests")"
+  local line args out
+  line="$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import deltaspark
+print(*deltaspark.resolve_args())' "$REPO/tests")" || { log "error: cannot tell which Delta runtime pyspark needs"; exit 1; }
+  read -r -a args <<< "$line"
   out="${args[-1]}"; unset 'args[-1]'
   [ -s "$out" ] && [ "$out" -nt "$REPO/tests/delta/pom.xml" ] && return 0
   log "resolving Delta Lake's Spark runtime and hadoop-aws with Maven (${args[*]})"
