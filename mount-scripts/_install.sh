@@ -67,3 +67,25 @@ install_rocketmq() {
     mv "$out.tmp" "$out"
   done
 }
+
+# Delta Lake's Spark runtime (and hadoop-aws, for S3A on Ceph RGW) for the tests that read the archive table with
+# Spark SQL: Delta's own jars and S3A's from Maven Central into ~/.m2, their classpath into
+# ~/.cache/tierfs/delta-spark/<delta>-spark<x.y>-hadoop<v>/classpath (tests/deltaspark.py names it and the versions,
+# from the installed pyspark). Spark's own jars (Scala, Hadoop's client, Parquet) are left out. A failure stops the
+# install: those tests must fail, never skip.
+install_delta_spark() {
+  command -v mvn >/dev/null 2>&1 || apt_install maven
+  local line args out
+  line="$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import deltaspark
+print(*deltaspark.resolve_args())' "$REPO/tests")" || { log "error: cannot tell which Delta runtime pyspark needs"; exit 1; }
+  read -r -a args <<< "$line"
+  out="${args[-1]}"; unset 'args[-1]'
+  [ -s "$out" ] && [ "$out" -nt "$REPO/tests/delta/pom.xml" ] && return 0
+  log "resolving Delta Lake's Spark runtime and hadoop-aws with Maven (${args[*]})"
+  mkdir -p "$(dirname "$out")"
+  mvn -q -B -f "$REPO/tests/delta/pom.xml" "${args[@]}" dependency:build-classpath -DincludeScope=runtime \
+    -DincludeGroupIds=io.delta,org.apache.hadoop,software.amazon.awssdk,software.amazon.s3.analyticsaccelerator,org.wildfly.openssl \
+    -DexcludeArtifactIds=hadoop-client-api,hadoop-client-runtime "-Dmdep.outputFile=$out.tmp" \
+    || { log "error: Delta Lake's Spark runtime did not resolve from Maven Central (${args[*]})"; exit 1; }
+  mv "$out.tmp" "$out"
+}

@@ -5,7 +5,8 @@ its CommitLog segments are uploaded as raw chunk objects with distinct generatio
 gives them. The job is killed (SIGKILL of the driver, a failpoint) between writing the data files and the commit,
 then between the commit and its result, and run again each time: the table must hold every message exactly once,
 (topic, queue, offset) by (topic, queue, offset), field by field against a decode of the native files, read by
-delta-rs and by DuckDB.
+delta-rs, by DuckDB and by Spark SQL (Delta Lake's Spark runtime: tests/deltaspark.py), in place on the posix store
+and on Ceph RGW.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 from test_spark_job import (REPO, SEED, STORE_ID, TODAY, TOPIC_PREFIX, _group_alive, messages, native,  # noqa: F401
                             sealed, upload, write_input)
 from sparkcluster import spark_cluster  # noqa: F401 (the fixture)
+import deltaspark as ds
+from deltaspark import delta_sql  # noqa: F401 (the fixture)
 from tierfs.objectstore import ObjectStore, open_store
 from tierfs.spark import archive as ar
 from tierfs.spark import table as tb
@@ -142,7 +145,26 @@ def check_rows(native: Path, rels: list[str], uri: str) -> int:
     return len(rows)
 
 
-def test_table_exactly_once_across_kills_then_duckdb_reads_it(native, tmp_path):
+def spark_sql_reads_every_message(spark, path: str, native: Path, rels: list[str]) -> None:
+    """Spark SQL reads the table in place: every message of these segments once, (topic, queue, offset) by
+    (topic, queue, offset) with its body and keys; the README's query gives one topic's history in order."""
+    want = {(m.topic, m.queue_id, m.queue_offset): m for m in messages(native, rels).values()}
+    rows = spark.sql(f"SELECT topic, queue_id, queue_offset, keys, body FROM delta.`{path}`").collect()
+    assert Counter((r.topic, r.queue_id, r.queue_offset) for r in rows) == Counter(want.keys())
+    for r in rows:
+        m = want[(r.topic, r.queue_id, r.queue_offset)]
+        assert (bytes(r.body), list(r.keys)) == (m.body, m.keys)
+    topic = sorted({k[0] for k in want})[0]
+    hist = spark.sql("SELECT queue_id, queue_offset, store_timestamp, keys, body "  # the README's query
+                     f"FROM delta.`{path}` WHERE topic = '{topic}' ORDER BY queue_id, queue_offset").collect()
+    assert [(r.queue_id, r.queue_offset, bytes(r.body)) for r in hist] == \
+        [(k[1], k[2], want[k].body) for k in sorted(k for k in want if k[0] == topic)]
+    assert all(r.store_timestamp == dt.datetime.fromtimestamp(want[(topic, r.queue_id, r.queue_offset)]
+                                                             .store_timestamp / 1000, dt.timezone.utc)
+               .replace(tzinfo=None) for r in hist)
+
+
+def test_table_exactly_once_across_kills_then_duckdb_and_spark_sql_read_it(native, tmp_path, delta_sql):
     from deltalake import DeltaTable
 
     objects = tmp_path / "objects"
@@ -207,6 +229,9 @@ def test_table_exactly_once_across_kills_then_duckdb_reads_it(native, tmp_path):
     assert got == (want[topic], 0)
     con.close()
 
+    # 6. Spark SQL reads the same rows, through Delta Lake's Spark runtime
+    spark_sql_reads_every_message(delta_sql, uri, native, rels)
+
 
 def test_bad_archive_format_in_the_input_is_refused(tmp_path):
     d = tmp_path / "bad"
@@ -225,9 +250,9 @@ def test_archive_format_config_names_the_key_and_the_choices(value):
         key.parse(value)
 
 
-def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw):
-    """The same table on S3 (Ceph RGW): commits are put-if-absent log objects; a re-run adds nothing; delta-rs and
-    DuckDB read it from the bucket."""
+def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw, delta_sql):
+    """The same table on S3 (Ceph RGW): commits are put-if-absent log objects; a re-run adds nothing; delta-rs,
+    DuckDB and Spark SQL (S3A) read it from the bucket."""
     from deltalake import DeltaTable
 
     bucket = rgw.make_bucket("archive-table")
@@ -255,6 +280,11 @@ def test_table_on_ceph_rgw_commits_once_and_reads_in_place(native, tmp_path, rgw
     messages_ds = dt_.to_pyarrow_dataset()  # noqa: F841 - DuckDB finds it by name
     got = duckdb.connect().execute("SELECT count(DISTINCT (topic, queue_id, queue_offset)) FROM messages_ds")
     assert got.fetchall()[0][0] == len(want)
+    topic = sorted({m.topic for m in want.values()})[0]
+    got = duckdb.connect().execute("SELECT count(*) FROM messages_ds WHERE topic = ?", [topic]).fetchall()[0][0]
+    assert got == sum(m.topic == topic for m in want.values())
+    ds.s3a(delta_sql, rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.region)
+    spark_sql_reads_every_message(delta_sql, f"s3a://{bucket}/t/{tb.TABLE_PREFIX.rstrip('/')}", native, rels)
     assert rgw.secret_key not in (tmp_path / "rerun" / "result.json").read_text()
     # what two stores committing at once rely on: the log's next commit is created only if absent
     from botocore.exceptions import ClientError
