@@ -162,6 +162,15 @@ def spark_sql_reads_every_message(spark, path: str, native: Path, rels: list[str
     assert all(r.store_timestamp == dt.datetime.fromtimestamp(want[(topic, r.queue_id, r.queue_offset)]
                                                              .store_timestamp / 1000, dt.timezone.utc)
                .replace(tzinfo=None) for r in hist)
+    # registered by name in the session's catalog (a Hive metastore or Unity Catalog takes the same statement):
+    # an external table over the same log, dropped again without touching the files
+    spark.sql(f"CREATE TABLE tierfs_messages USING DELTA LOCATION '{path}'")
+    try:
+        n = spark.sql(f"SELECT count(*) AS n FROM tierfs_messages WHERE topic = '{topic}'").collect()[0].n
+        assert n == len(hist)
+    finally:
+        spark.sql("DROP TABLE tierfs_messages")
+    assert spark.sql(f"SELECT count(*) AS n FROM delta.`{path}`").collect()[0].n == len(want)
 
 
 def test_table_exactly_once_across_kills_then_duckdb_and_spark_sql_read_it(native, tmp_path, delta_sql):
