@@ -17,6 +17,7 @@ import pytest
 
 from mountutil import wait_for
 from test_dedup import evict_all, mmap_crc, named_keys, pending_deletes
+from test_fsck import fsck, kinds
 from test_tiering import TIER_OPTS, by_path, copy_in, s3_opts, status
 from test_tiering import reference_store  # noqa: F401 (a fixture)
 
@@ -77,8 +78,22 @@ def sealed_tiered(m, ref: Path) -> list[str]:
     return sorted(p for p, f in by_path(m).items() if f["state"] == "tiered")
 
 
+def sid_of(m) -> str:
+    return (m.state_dir / "store-id").read_text().strip()
+
+
+def put_object(store: Bucket, key: str) -> None:
+    if store.rgw is None:
+        from tierfs.objectstore import open_store
+
+        with open_store(f"file://{store.root}") as s:
+            s.put(key, b"x")
+    else:
+        store.rgw.client().put_object(Bucket=store.bucket, Key=f"stores/{key}", Body=b"x")
+
+
 def markers_of(store: Bucket, keys: set[str], m) -> set[str]:
-    sid = (m.state_dir / "store-id").read_text().strip()
+    sid = sid_of(m)
     return {k for k in store.group("refs") if k.endswith(f"/{sid}") and k.split("/")[3] in
             {x.rsplit("/", 1)[1] for x in keys}}
 
@@ -89,14 +104,21 @@ def test_replicas_on_two_mounts_are_stored_once(request, tmp_path, mount_store, 
     a, b = mount_store(options=[opts]), mount_store(options=[opts])
     for m in (a, b):
         copy_in(reference_store, m.mnt)
-    tiered = {m: sealed_tiered(m, reference_store) for m in (a, b)}
-    assert tiered[a] == tiered[b]
-    cl = [p for p in tiered[a] if p.startswith("commitlog/")]
+    for m in (a, b):
+        sealed_tiered(m, reference_store)
+
+    def tiered_of(m) -> list[str]:
+        return sorted(p for p, f in by_path(m).items() if f["state"] == "tiered")
+    wait_for(lambda: tiered_of(a) == tiered_of(b) and all(status(m)["totals"]["upload_backlog_files"] == 0
+                                                         for m in (a, b)),
+             timeout=120, what="the same segments tiered on both mounts")
+    cl = [p for p in tiered_of(a) if p.startswith("commitlog/")]
 
     # stored once: every payload object of the bucket against what one replica's rows name
     objects = store.payload()
+    tiered = {m: tiered_of(m) for m in (a, b)}
     one = named_keys(a, tiered[a])
-    assert one == named_keys(b, tiered[b]) and all(k.startswith(f"groups/{GROUP}/cas/") for k in one), \
+    assert named_keys(a, cl) == named_keys(b, cl) and all(k.startswith(f"groups/{GROUP}/cas/") for k in one), \
         sorted(one)[:4]
     ratio = sum(objects.values()) / sum(objects[k] for k in one)
     print(f"stored bytes two mounts / one replica = {ratio:.3f} ({sum(objects.values())} bytes; {backend})")
@@ -125,6 +147,19 @@ def test_replicas_on_two_mounts_are_stored_once(request, tmp_path, mount_store, 
         r = m.cli("fsck", m.mnt)
         assert r.returncode == 0, r.stdout + r.stderr
 
+    # fsck: a marker of A on an object no row of A names is found, and (offline) repaired; B's objects it marks
+    # are no orphans of A
+    stale = next(iter(markers_of(store, shared, b))).rsplit("/", 1)[0] + "/" + sid_of(a)
+    put_object(store, stale)
+    code, rep, _ = fsck(a.mnt)
+    assert code == 1 and kinds(rep) == {"stale_marker": 1} and rep["findings"][0]["key"] == stale, rep["findings"]
+    a.umount()
+    code, rep, _ = fsck(a.hot, "--repair")
+    assert rep["repaired"] == 1 and stale not in store.listing(), rep["findings"]
+    a.remount()
+    code, rep, _ = fsck(a.mnt)
+    assert code == 0, rep["findings"]
+
     # retention on both: every segment goes on both mounts, and nothing of the group is left
     for m in (a, b):
         for p in tiered[m]:
@@ -138,33 +173,39 @@ def test_replicas_on_two_mounts_are_stored_once(request, tmp_path, mount_store, 
 
 
 @pytest.mark.parametrize("backend", ["posix", "s3"])
+@pytest.mark.parametrize("point", ["tombstoned", "decided"])
 def test_an_upload_during_a_shared_delete_keeps_its_bytes(request, tmp_path, mount_store, reference_store,
-                                                          backend):
-    """The race: A lets go of a shared chunk no other mount marks, puts its tombstone and is held (failpoint)
-    before it lists the markers again; meanwhile B uploads the same bytes: it marks them, finds the tombstone and
-    waits; A's re-list sees B's marker and keeps the object; B puts it (the same bytes) and commits. B reads it
-    back after eviction; nothing is lost."""
-    opts, store = group_opts(request, tmp_path, backend, "group-race")
-    a = mount_store(options=[opts], env={"TIERFS_FAILPOINTS": "sharedrefs.tombstoned=sleep:25"})
+                                                          backend, point):
+    """The race: A lets go of a shared chunk no other mount marks and puts its tombstone; a failpoint holds it
+    either before it lists the markers again (tombstoned) or after it found none, before it deletes (decided).
+    Meanwhile B uploads the same bytes: it marks them, finds the tombstone and waits for it to go. tombstoned:
+    A's re-list sees B's marker and keeps the object. decided: A deletes the object, then its tombstone, and only
+    then B puts the bytes again. Either way B commits a chunk that is stored and reads back after eviction."""
+    opts, store = group_opts(request, tmp_path, backend, f"group-race-{point}")
+    a = mount_store(options=[opts], env={"TIERFS_FAILPOINTS": f"sharedrefs.{point}=sleep:25"})
     b = mount_store(options=[opts])
     copy_in(reference_store, a.mnt)
     tiered = sealed_tiered(a, reference_store)
     first = next(p for p in tiered if p.startswith("commitlog/"))
     keys = named_keys(a, [first])
     os.unlink(a.mnt / first)
-    wait_for(lambda: "failpoint sharedrefs.tombstoned: holding" in a.log_text(), timeout=60,
-             what="A holding between its tombstones and its re-list")
+    wait_for(lambda: f"failpoint sharedrefs.{point}: holding" in a.log_text(), timeout=60,
+             what="A holding inside its delete decision")
     assert store.group("tomb") and not markers_of(store, keys, a)
 
     copy_in(reference_store, b.mnt)
     wait_for(lambda: "a delete of this shared object is being decided" in b.log_text(), timeout=60,
              what="B's upload waiting on A's tombstone")
-    assert "failpoint sharedrefs.tombstoned: held" not in a.log_text(), "B came after A decided: no race tested"
+    assert f"failpoint sharedrefs.{point}: held" not in a.log_text(), "B came after A decided: no race tested"
     sealed_tiered(b, reference_store)
     assert named_keys(b, [first]) == keys
     wait_for(lambda: pending_deletes(a) == 0 and not store.group("tomb"), timeout=60, what="A's delete decided")
-    assert "another mount marked it while its delete was decided; kept" in a.log_text(), a.log_tail()
+    if point == "tombstoned":
+        assert "another mount marked it while its delete was decided; kept" in a.log_text(), a.log_tail()
+    else:
+        assert re.search(r"deleted \d+ shared objects of group", a.log_text()), a.log_tail()
     assert keys <= set(store.listing()), "a chunk B committed was deleted"
+    assert markers_of(store, keys, b) and not markers_of(store, keys, a)
     evict_all(b, [first])
     assert (b.mnt / first).read_bytes() == (reference_store / first).read_bytes()
     r = b.cli("fsck", b.mnt)

@@ -128,22 +128,22 @@ class SharedRefs:
             return []
         start = time.monotonic()
         body = json.dumps({"store": self.store_id, "time": time.time(), "valid_seconds": self.valid_seconds})
-        for k in last:
-            self.store.put(self.tomb(k), body.encode())  # D3
-        failpoints.hit("sharedrefs.tombstoned")
-        self._sleep(self.grace)  # D4
-        gone = []
         try:
             for k in last:
-                if self.others(k):  # D5: a mount marked it meanwhile: it stays
-                    log.info("%s: another mount marked it while its delete was decided; kept", k)
-                    continue
-                if time.monotonic() - start > self.grace + DELETE_SLACK:
-                    log.warning("%s: its delete took longer than %.0f s after the tomb; not deleted (an upload "
-                                "may have waited the tomb out); its marker is gone", k, self.grace + DELETE_SLACK)
-                    continue
-                self.store.delete(k)  # D6
-                gone.append(k)
+                self.store.put(self.tomb(k), body.encode())  # D3
+            failpoints.hit("sharedrefs.tombstoned")
+            self._sleep(self.grace)  # D4
+            keep = [k for k in last if self.others(k)]  # D5: a mount marked it meanwhile: it stays
+            for k in keep:
+                log.info("%s: another mount marked it while its delete was decided; kept", k)
+            gone = [k for k in last if k not in keep]
+            failpoints.hit("sharedrefs.decided")
+            if gone and time.monotonic() - start > self.grace + DELETE_SLACK:
+                log.warning("%d shared objects, e.g. %s: their delete took longer than %.0f s after the tomb; not "
+                            "deleted (an upload may have waited the tomb out); their markers are gone", len(gone),
+                            gone[0], self.grace + DELETE_SLACK)
+                gone = []
+            self.store.delete_many(gone)  # D6
         finally:
             self.store.delete_many([self.tomb(k) for k in last])  # D7
         return gone
