@@ -210,3 +210,27 @@ def test_an_upload_during_a_shared_delete_keeps_its_bytes(request, tmp_path, mou
     assert (b.mnt / first).read_bytes() == (reference_store / first).read_bytes()
     r = b.cli("fsck", b.mnt)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_shared_refs_protocol_on_a_real_store(tmp_path):
+    """tierfs.tier.sharedrefs alone, on a posix object store: the last mount's release deletes the object, its
+    markers and tombs; a release while another mount marks it keeps it; a tomb whose deleter died is waited out
+    and removed, and the upload then puts the object again."""
+    from tierfs.objectstore import open_store
+    from tierfs.tier.sharedrefs import SharedRefs
+
+    with open_store(f"file://{tmp_path / 'bucket'}") as store:
+        a, b = (SharedRefs(store, sid, GROUP, 0.0, sleep=lambda s: None) for sid in ("sid-a", "sid-b"))
+        key = a.key("ab" * 32)
+        assert a.acquire(key) is False  # missing: the caller puts it
+        store.put(key, b"chunk")
+        assert b.acquire(key) is True  # stored, no delete under way
+        assert a.release([key]) == [] and store.exists(key)  # B still marks it
+        assert b.release([key]) == [key]
+        assert [i.key for i in store.list(f"groups/{GROUP}/")] == []
+
+        store.put(key, b"chunk")
+        store.put(f"{b.tomb_prefix(key)}sid-dead", b"{}")  # a deleter that died between its tomb and its delete
+        b.valid_seconds = 0.0
+        assert b.acquire(key) is False and not b.tombs(key)  # waited out, removed: the caller puts it again
+        assert b.marked() == {"ab" * 32: {"sid-b"}}

@@ -23,11 +23,13 @@ HEAD. If U1 came before D5, D5 lists U's marker and D deletes nothing. Otherwise
 which came after D3: U2 lists D's tomb, unless D7 already ran, and D7 follows D6, so U4's HEAD sees the object
 gone and U puts it. When U2 lists a tomb, U waits until it is gone (D7, after D6) before its PUT, so D6 cannot
 remove U's bytes. Every deleter has its own tomb, so one deleter's D7 never hides another's decision.
-A deleter that died (or stalled) between D3 and D7 leaves a tomb: U waits `valid_seconds` from when it first saw it (twice D's deadline for D6, counted from before D3, so a live D has issued any D6 by then), then
-removes it and puts the object. A second deleter D' cannot remove the object U relies on: U's marker is there
-from U1 on, so D' stops at D2 or D5. Markers stay until this mount releases the key, so a crash leaks at most a
-marker and an object (fsck reports both); the janitor's queue entry stays until `release` returns, so the next
-mount's janitor finishes a release a crash interrupted.
+A deleter that died (or stalled) between D3 and D7 leaves a tomb: U waits `valid_seconds` from when it first
+saw it (twice D's deadline for D6, counted from before D3, so a live D has sent any D6 by then; a D6 request
+that takes longer than that in flight is the one window left), then removes it and puts the object. A second
+deleter D' cannot remove the object U relies on: U's marker is there from U1 on, so D' stops at D2 or D5.
+Markers stay until this mount releases the key, so a crash leaks at most a marker and an object (fsck reports
+this store's stale marker, and an object no mount marks as an orphan); the janitor's queue entry stays until
+`release` returns, so the next mount's janitor finishes a release a crash interrupted.
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ class SharedRefs:
         """This mount relies on `key` from now on (before a commit names it): True when the object is stored and
         no delete of it can be under way (the caller verifies it, no PUT); False: the caller must PUT it."""
         self.store.put(self.marker(key), self.store_id.encode())  # U1
-        failpoints.hit("sharedrefs.marked")
         if self.tombs(key):  # U2
             self._wait_tombs(key)
             return False

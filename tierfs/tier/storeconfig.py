@@ -34,7 +34,8 @@ def save(state_dir: Path, url: str, options: dict[str, Any], store_id: str, grou
     """Write STATE_DIR/store.json (mode 0600, atomic replace)."""
     path = Path(state_dir) / FILE_NAME
     tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-    body = json.dumps({"url": url, "store_id": store_id, "options": options, "group": group}, indent=1, sort_keys=True) + "\n"
+    body = json.dumps({"url": url, "store_id": store_id, "options": options, "group": group}, indent=1,
+                      sort_keys=True) + "\n"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # the umask may be 0 in the daemon, and an old file may have had other bits
