@@ -207,9 +207,18 @@ SCHEMA: tuple[Key, ...] = (
     Key("upload.dedup", "choice", "auto",
         "Store the chunks of sealed segments content-addressed (<store-id>/cas/<sha256>), so byte-identical "
         "segments (a broker group's replicas under one mount) are stored once. auto: when the store roots are "
-        "below the mount root (store.roots, or found by layout: a group's layout); on: always; off: never (keys "
-        "per row). Costs a sha256 pass (in the upload's thread) and one catalog transaction per chunk.",
+        "below the mount root (store.roots, or found by layout: a group's layout) or upload.dedup_group is set; "
+        "on: always; off: never (keys per row). Costs a sha256 pass (in the upload's thread) and one catalog transaction per chunk.",
         choices=("auto", "on", "off")),
+    Key("upload.dedup_group", "str", "",
+        "A broker group whose replicas run on separate mounts sharing one bucket: their content-addressed chunks "
+        "go to groups/<group>/cas/<sha256> (below the bucket prefix), shared by every mount naming the same "
+        "group, with a reference marker per mount in the bucket (tierfs.tier.sharedrefs), so the group's "
+        "byte-identical segments are stored once. Letters, digits, '.', '_', '-'. Empty: per-store cas only."),
+    Key("upload.dedup_group_grace_seconds", "float", 30.0,
+        "Deleting a group's shared chunk: how long the deleter waits after putting its tombstone before it lists "
+        "the other mounts' markers again (an upload of the same bytes that saw the tombstone puts them again).",
+        minimum=0),
     Key("upload.retry_max_seconds", "float", 60.0, "Longest backoff between upload retries.", minimum=0.1),
     Key("upload.bandwidth_bytes_per_second", "size", 0,
         "Cap on upload bandwidth shared by all uploaders (so tiering never starves the broker's replication "

@@ -10,6 +10,11 @@ What is checked (DESIGN §4-§6):
 * no object under <store-id>/seg/ or <store-id>/cas/ is orphaned: each is referenced by a row, a pending delete,
   a held reference, a pipeline artifact, an unapplied pipeline result, or is the current generation of a segment
   being uploaded;
+* with upload.dedup_group, a group's shared objects (groups/<group>/cas/) some mount marks
+  (groups/<group>/refs/<sha256>/<store-id>: tierfs.tier.sharedrefs) are no orphans, its objects this store's rows
+  name are checked like the rest, and a marker of this store whose object no row, pending delete or held reference
+  names is reported (repair: delete the marker; the object goes with its last marker's mount, or fsck then
+  reports it as an orphan);
 * no multipart upload under <store-id>/ is stale (offline: any; mounted: older than --stale-after);
 * with --deep, the crc32c of every block of every object (and of the whole content), and of every resident block.
 
@@ -48,6 +53,7 @@ import crc32c
 
 from tierfs.objectstore import ObjectStore, ObjectStoreError, format_crc32c
 from tierfs.tier import identity, layout, storeconfig
+from tierfs.tier.sharedrefs import SharedRefs
 from tierfs.tier.appendlog import data_extents
 from tierfs.tier.catalog import _COLS, Catalog, Entry, State
 
@@ -221,6 +227,7 @@ KINDS = {
     "corrupt_object": "objects whose content fails its crc32c",
     "orphan_object": "objects under <store-id>/seg/ or <store-id>/cas/ nothing references",
     "stale_upload": "stale multipart uploads",
+    "stale_marker": "this store's markers on a group's shared objects no row names",
 }
 
 
@@ -314,8 +321,10 @@ class Report:
 
 class Checker:
     def __init__(self, target: Target, store: ObjectStore, store_id: str, *, deep: bool, progress: Progress,
-                 stale_after: float | None, jobs: int = 4):
+                 stale_after: float | None, jobs: int = 4, group: str = ""):
         self.t = target
+        self.shared = SharedRefs(store, store_id, group, 0.0) if group else None
+        self.markers: dict[str, set[str]] = {}  # a group's sha256 -> the store ids marking it
         self.store = store
         self.sid = store_id
         self.deep = deep
@@ -413,6 +422,13 @@ class Checker:
                 for info in self.store.list(prefix):
                     self.listing[info.key] = info.size
                     bar.update(1)
+            if self.shared is not None:  # a group's shared objects: this store's if it marks them
+                self.markers = self.shared.marked()
+                for info in self.store.list(layout.group_cas_prefix(self.shared.group)):
+                    if self.sid in self.markers.get(layout.cas_sha(info.key), ()) or \
+                            not self.markers.get(layout.cas_sha(info.key)):
+                        self.listing[info.key] = info.size
+                    bar.update(1)
         self.checked["objects"] = len(self.listing)
         tiered = [e for e in self.snap.rows.values() if e.state is State.TIERED]
         with self.progress.bar("objects of rows", sum(len(e.objects) for e in tiered), "obj") as bar:
@@ -420,6 +436,7 @@ class Checker:
                 self._check_row_objects(e)
                 bar.update(len(e.objects))
         self._check_orphans()
+        self._check_markers()
 
     def _check_row_objects(self, e: Entry) -> None:
         sizes = _chunk_sizes(e)
@@ -483,7 +500,23 @@ class Checker:
     def _orphan_keys(self, snap: Snapshot) -> set[str]:
         referenced = {k for e in snap.rows.values() for k in e.all_objects()}
         return {k for k in self.listing if k not in referenced and k not in snap.pending
-                and k not in snap.artifact_keys and k not in snap.job_keys and not self._in_flight(k, snap)}
+                and k not in snap.artifact_keys and k not in snap.job_keys and not self._in_flight(k, snap)
+                and not (layout.is_group_cas(k) and self.markers.get(layout.cas_sha(k)))}  # another mount's
+
+    def _stale_markers(self, snap: Snapshot) -> dict[str, str]:
+        """This store's markers (marker key -> object key) on group objects nothing of this store names."""
+        if self.shared is None:
+            return {}
+        named = {layout.cas_sha(k) for k in (*(k for e in snap.rows.values() for k in e.all_objects()),
+                                             *snap.pending, *snap.artifact_keys, *snap.job_keys)
+                 if layout.is_group_cas(k)}
+        return {self.shared.marker(key): key for sha, sids in self.markers.items()
+                if self.sid in sids and sha not in named for key in [self.shared.key(sha)]}
+
+    def _check_markers(self) -> None:
+        for marker, key in sorted(self._stale_markers(self.snap).items()):
+            self.add(Finding("stale_marker", f"marker {marker}: this store marks group object {key}, which no "
+                             f"catalog row, pending delete or held reference names", key=marker))
 
     def _check_orphans(self) -> None:
         prefix = layout.segment_prefix(self.sid)
@@ -627,6 +660,8 @@ class Checker:
                     and (self.t.hot / f.path).stat().st_size != e.size
             elif f.kind == "orphan_object":
                 ok = f.key in orphans and self.store.head(f.key) is not None
+            elif f.kind == "stale_marker":
+                ok = f.key in self._stale_markers(snap)
             else:
                 ok = True
             if ok:
@@ -641,7 +676,8 @@ class Checker:
         try:
             with self.progress.bar("repairing", len(self.findings), "fix") as bar:
                 order = ["missing_object", "object_size", "corrupt_object", "false_resident", "bad_resident_block",
-                         "row_without_hot_file", "row_renamed", "orphan_object", "stale_upload", "hot_size"]
+                         "row_without_hot_file", "row_renamed", "orphan_object", "stale_upload", "hot_size",
+                         "stale_marker"]
                 for f in sorted(self.findings, key=lambda f: order.index(f.kind)):
                     try:
                         self._repair_one(cat, f)
@@ -659,6 +695,9 @@ class Checker:
         if f.kind == "orphan_object":
             self.store.delete(f.key)
             f.repaired = f"deleted orphaned object {f.key}"
+        elif f.kind == "stale_marker":
+            self.store.delete(f.key)
+            f.repaired = f"deleted this store's marker {f.key}"
         elif f.kind == "stale_upload":
             self.store.abort_multipart(f.key, f.upload_id)
             f.repaired = f"aborted multipart upload {f.upload_id} of {f.key}"
@@ -776,7 +815,7 @@ def run(arg: str, *, deep: bool = False, repair: bool = False, as_json: bool = F
                     return EXIT_USAGE
             try:
                 checker = Checker(target, store, sc.store_id, deep=deep, progress=progress,
-                                  stale_after=stale_after, jobs=jobs)
+                                  stale_after=stale_after, jobs=jobs, group=sc.group)
             except sqlite3.Error as e:
                 print(f"tierfs fsck: cannot read the catalog {target.state / 'catalog.db'}: {e}", file=sys.stderr)
                 return EXIT_INCOMPLETE

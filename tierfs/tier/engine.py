@@ -60,6 +60,7 @@ from tierfs.tier.namespace import Namespace, storable
 from tierfs.tier.primer import Primer
 from tierfs.tier.references import UPLOAD, References
 from tierfs.tier.sealer import Sealer
+from tierfs.tier.sharedrefs import SharedRefs
 from tierfs.tier.spacereserve import SpaceReserve
 from tierfs.tier.state import EngineStats, ReadFailed, TieredIndex, WorkerStats
 from tierfs.tier.takeover import TakeoverSpec, prepare_takeover
@@ -93,6 +94,7 @@ class Engine:
                               f"cache.block_bytes ({self.block}); allowed: a multiple of cache.block_bytes")
         self.store: ObjectStore = open_store(self.store_url(), **self.store_options())
         self.store_id = config["store.id"] or self._persistent_store_id()
+        self.shared = self._shared_refs()  # upload.dedup_group: a group's chunks shared with other mounts
         # read-only (tierfs.tier.snapshot): every file is a TIERED row of the bucket's newest catalog snapshot,
         # built into the state dir before the catalog opens; nothing is sealed, uploaded, deleted or snapshotted
         self.read_only = read_only
@@ -107,7 +109,8 @@ class Engine:
         self.catalog = Catalog(state_dir / "catalog.db", reserve)
         self.lease: WriterLease | None = None  # writable mounts: set by take_lease() before serving
         if not read_only:  # a read-only cache is no hot dir for `tierfs fsck` to check (or repair) the store by
-            storeconfig.save(state_dir, self.store_url(), self.store_options(), self.store_id)  # for `tierfs fsck`
+            storeconfig.save(state_dir, self.store_url(), self.store_options(), self.store_id,
+                             config["upload.dedup_group"])  # for `tierfs fsck`
         self.files: dict[int, Entry] = {}  # every entry, by file id: the one owner
         self.by_ino: dict[int, Entry] = {}  # live entries by hot-dir st_ino (named, or held open after unlink)
         self.entries: dict[str, Entry] = {}  # entries that have a name, by their current path (derived)
@@ -170,6 +173,18 @@ class Engine:
     def store_writable(self) -> bool:
         """May this daemon write to the object store now (uploads, deletes, snapshots)? Only under the lease."""
         return not self.read_only and (self.lease is None or self.lease.held())
+
+    def _shared_refs(self) -> SharedRefs | None:
+        group = self.config["upload.dedup_group"]
+        if not group:
+            return None
+        try:
+            return SharedRefs(self.store, self.store_id, group, float(self.config["upload.dedup_group_grace_seconds"]))
+        except ValueError:
+            from tierfs.config import ConfigError
+
+            raise ConfigError(f"config key 'upload.dedup_group': {group!r} is not a group name; allowed: 1 to 128 "
+                              "letters, digits, '.', '_' or '-'") from None
 
     def store_url(self) -> str:
         return self.config["objectstore.url"] or f"file://{self.state_dir / 'objects'}"

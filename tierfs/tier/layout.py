@@ -13,6 +13,11 @@ read, so the upload hashes, holds and PUTs it in the one pass that reads the seg
 table (tierfs.tier.units) is content-addressed the same way. Which keys a row has is its `objects` list, written
 when it is tiered: readers, the evictor, compaction, snapshots and fsck all read keys from there, never rederive
 them, so rows of either kind (an old catalog's) keep working.
+
+A broker group's replicas on separate mounts sharing one bucket (upload.dedup_group) share one namespace:
+    groups/<group>/cas/<xx>/<sha256>            the chunk (or table) object
+    groups/<group>/refs/<sha256>/<store-id>     one marker per mount whose rows name it (tierfs.tier.sharedrefs)
+    groups/<group>/tomb/<sha256>                a deleter's tombstone while it decides to delete it
 """
 
 from __future__ import annotations
@@ -92,3 +97,24 @@ def cas_store(key: str) -> str:
 def object_prefixes(store_id: str) -> tuple[str, str]:
     """Every prefix segment objects live under (per row and content-addressed): listings of what rows name."""
     return segment_prefix(store_id), cas_prefix(store_id)
+
+
+GROUP_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def group_prefix(group: str) -> str:
+    return f"groups/{group}/"
+
+
+def group_cas_prefix(group: str) -> str:
+    return f"groups/{group}/cas/"
+
+
+def is_group_cas(key: str) -> bool:
+    """A content-addressed key of a broker group's shared namespace (several mounts may name it)."""
+    return key.startswith("groups/") and is_cas(key)
+
+
+def cas_sha(key: str) -> str:
+    """The sha256 (hex) a content-addressed key is named by."""
+    return key.rsplit("/", 1)[1]

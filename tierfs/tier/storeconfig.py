@@ -24,16 +24,18 @@ class StoreConfig:
     url: str
     store_id: str
     options: dict[str, Any] = field(default_factory=dict)
+    group: str = ""  # upload.dedup_group: the broker group whose shared chunks this store names
 
     def open(self) -> ObjectStore:
         return open_store(self.url, **self.options)
 
 
-def save(state_dir: Path, url: str, options: dict[str, Any], store_id: str) -> None:
+def save(state_dir: Path, url: str, options: dict[str, Any], store_id: str, group: str = "") -> None:
     """Write STATE_DIR/store.json (mode 0600, atomic replace)."""
     path = Path(state_dir) / FILE_NAME
     tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-    body = json.dumps({"url": url, "store_id": store_id, "options": options}, indent=1, sort_keys=True) + "\n"
+    body = json.dumps({"url": url, "store_id": store_id, "options": options, "group": group}, indent=1,
+                      sort_keys=True) + "\n"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # the umask may be 0 in the daemon, and an old file may have had other bits
@@ -57,4 +59,4 @@ def load(state_dir: Path) -> StoreConfig:
     if not isinstance(d, dict) or not isinstance(d.get("url"), str) or not isinstance(d.get("store_id"), str) \
             or not isinstance(d.get("options", {}), dict):
         raise ValueError(f"{path}: expected an object with string 'url', string 'store_id' and object 'options'")
-    return StoreConfig(d["url"], d["store_id"], dict(d.get("options") or {}))
+    return StoreConfig(d["url"], d["store_id"], dict(d.get("options") or {}), str(d.get("group") or ""))

@@ -253,7 +253,7 @@ class Uploader:
         the mount root (a broker group's layout: its replicas write the same bytes; the first replica's segments
         may well be uploaded before the next replica's store root exists)."""
         mode = self.eng.config["upload.dedup"]
-        return mode == "on" or mode == "auto" and self.eng.store_roots != [""]
+        return mode == "on" or mode == "auto" and (self.eng.store_roots != [""] or self.eng.shared is not None)
 
     def _unit(self, e: Entry) -> int:
         """The verification unit of `e`'s crc32c table (0: none, whole blocks are checked)."""
@@ -444,12 +444,19 @@ class Uploader:
 
     def _content_key(self, e: Entry, data: bytes) -> tuple[str, bool]:
         """Blocking: the content-addressed key of `data`, held for `e`'s upload from now on, and whether a live
-        row names it already (stored and verified: no PUT needed)."""
-        key = layout.cas_key(self.eng.store_id, hashlib.sha256(data).hexdigest())
+        row names it already (stored and verified: no PUT needed). With upload.dedup_group the key is the group's,
+        shared with other mounts: this mount's marker goes up first, and the bucket says whether it is stored
+        (tierfs.tier.sharedrefs)."""
+        sha, shared = hashlib.sha256(data).hexdigest(), self.eng.shared
+        key = shared.key(sha) if shared is not None else layout.cas_key(self.eng.store_id, sha)
         try:
-            return key, self.eng.references.hold_content(f"{UPLOAD}{e.file_id}", key)
+            stored = self.eng.references.hold_content(f"{UPLOAD}{e.file_id}", key)
         except BeingDeleted as err:  # the same bytes' delete is running: upload again later (not "untierable")
             raise ObjectStoreError(key, str(err)) from None
+        if shared is not None:
+            self.eng.fence(key)
+            stored = shared.acquire(key)  # held first: a failure from here on releases (unmarks) it
+        return key, stored
 
     def _compose(self, fd: int, key: str, off: int, n: int, crc: int, tail: tuple, same: dict[str, bool],
                  copied: list[int] | None) -> bool:
