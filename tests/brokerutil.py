@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -98,14 +99,23 @@ def acked_before(acked: Path, count: int, cut_ms: int, out: Path) -> int:
     return sum(0 < ms < cut_ms for ms in ack_ms)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int, gap: int = 3) -> list[int]:
-    """n ports each with `gap` free ports below it (a 4.9 broker also listens on listenPort - 2)."""
+    """n ports each with `gap` free ports below it (a 4.9 broker also listens on listenPort - 2). Below the
+    kernel's ephemeral range: a port the kernel handed out as free is also what it hands the next outgoing
+    connection as its source port (a CI run: a 4.9.7 broker's HA port was taken by then, BindException)."""
     ports: list[int] = []
+    pick = random.SystemRandom()
+    high = max(_ephemeral_low(), 12_000)
     while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p in ports or p - gap < 1024:
+        p = pick.randrange(10_000, high)
+        if any(abs(p - q) <= gap for q in ports):
             continue
         try:
             for q in range(p - gap, p + 1):
