@@ -143,8 +143,18 @@ def wait_evicted(env, counts: Callable[[dict], dict], ok: Callable[[dict], bool]
     return dict(seen)
 
 
-def assert_all_read(res: dict, expected: int) -> None:
-    assert res["bad"] == 0, f"messages differing from what was sent: {res['first_bad']}"
+def assert_all_read(res: dict, expected: int, torn_unacked_ok: bool = False) -> None:
+    """Every acknowledged message read back, none differing. `torn_unacked_ok` where writes died with the
+    store under the broker: a message never acknowledged may come back torn (its head's pages written back, its
+    tail's not), and the broker's recovery keeps it because its CRC covers only the body, as after a power loss
+    on a local disk. Such messages are printed; any differing message that was acknowledged fails."""
+    if torn_unacked_ok:
+        assert res["bad_acked"] == 0, f"acknowledged messages differing from what was sent: {res['first_bad']}"
+        if res["bad"]:
+            print(f"\n{res['bad']} never-acknowledged messages came back torn: seq {res['bad_seqs']}, "
+                  f"{res['first_bad']}")
+    else:
+        assert res["bad"] == 0, f"messages differing from what was sent: {res['first_bad']}"
     assert res.get("missing", 0) == 0, f"{res['missing']} acknowledged messages not read: {res['first_missing']}"
     assert res["distinct"] >= expected, res
 
@@ -284,7 +294,7 @@ def test_kill_tierfs_daemon_under_broker(env: Env):
         env.mount.mount()
         rmq.start_broker(env.conf())
     res2 = env.consume("g-after-daemon-kill", topics="TK", queues=2, count=count, acked=durable)
-    assert_all_read(res2, n_before)
+    assert_all_read(res2, n_before, torn_unacked_ok=True)
     after = res["acked"] - n_before
     lost_after = res["acked"] - res2["distinct"]
     print(f"\nbroker {env.version}, tierfs daemon killed: {n_before} sends acknowledged before (all read "

@@ -137,6 +137,7 @@ def test_daemon_kill_loses_no_acknowledged_message(env: Env):
           f"(acked, send errors, broker exit) per round {rounds}; {n_acked} acknowledged, "
           f"{got.get('missing', 0)} lost, {got['bad']} differing")
     assert got.get("missing", 0) == 0, f"{got['missing']} acknowledged messages lost: {got['first_missing']}"
-    assert got["bad"] == 0, f"messages differing from what was sent: {got['first_bad']}"
+    # a message the broker never acknowledged may come back torn (see test_broker.assert_all_read)
+    assert got["bad_acked"] == 0, f"acknowledged messages differing from what was sent: {got['first_bad']}"
     assert all(a > 0 and e > 0 for a, e, _ in rounds), rounds
     assert all(code == -signal.SIGKILL for *_, code in rounds), f"broker not stopped by the supervisor: {rounds}"

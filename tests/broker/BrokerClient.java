@@ -87,6 +87,26 @@ public final class BrokerClient {
         return null;
     }
 
+    /** The sequence number a message was sent with, even when its tail (the properties) is torn: from the
+     *  "seq" property, else from the body, which begins "m%012d|"; -1 when neither survives. */
+    static long seqOf(MessageExt m) {
+        String s = m.getUserProperty("seq");
+        try {
+            if (s != null) return Long.parseLong(s);
+        } catch (NumberFormatException e) {
+            // torn: try the body
+        }
+        byte[] b = m.getBody();
+        if (b != null && b.length >= 14 && b[0] == 'm' && b[13] == '|') {
+            try {
+                return Long.parseLong(new String(b, 1, 12, StandardCharsets.US_ASCII));
+            } catch (NumberFormatException e) {
+                return -1;
+            }
+        }
+        return -1;
+    }
+
     static String json(Map<String, Object> o) {
         StringBuilder b = new StringBuilder("{");
         for (Map.Entry<String, Object> e : o.entrySet()) {
@@ -344,6 +364,8 @@ public final class BrokerClient {
         BitSet seen = new BitSet();
         AtomicLong read = new AtomicLong(), dups = new AtomicLong(), bytes = new AtomicLong();
         List<String> bad = Collections.synchronizedList(new ArrayList<>());
+        List<Long> badSeqs = Collections.synchronizedList(new ArrayList<>());
+        AtomicLong badAcked = new AtomicLong();
         List<Long> lateMs = Collections.synchronizedList(new ArrayList<>());
         long t0 = System.nanoTime();
         long deadline = System.currentTimeMillis() + waitMs;
@@ -359,7 +381,15 @@ public final class BrokerClient {
                         if (r.getPullStatus() == PullStatus.FOUND) {
                             for (MessageExt m : r.getMsgFoundList()) {
                                 String err = check(m, topics, queues, size, start, count);
-                                if (err != null) { bad.add(err); continue; }
+                                if (err != null) {
+                                    bad.add(err);
+                                    long s = seqOf(m);
+                                    badSeqs.add(s);
+                                    boolean mayBeAcked = s < start || s >= start + count || expected == null
+                                            || expected.get((int) (s - start));
+                                    if (mayBeAcked) badAcked.incrementAndGet();
+                                    continue;
+                                }
                                 long seq = Long.parseLong(m.getUserProperty("seq"));
                                 String due = m.getUserProperty("due");
                                 if (due != null) lateMs.add(m.getStoreTimestamp() - Long.parseLong(due));
@@ -394,6 +424,8 @@ public final class BrokerClient {
         out.put("dups", dups.get());
         out.put("bad", bad.size());
         out.put("first_bad", bad.subList(0, Math.min(3, bad.size())));
+        out.put("bad_seqs", badSeqs.subList(0, Math.min(20, badSeqs.size())));
+        out.put("bad_acked", badAcked.get());
         out.put("secs", secs);
         out.put("body_bytes", bytes.get());
         if (expected != null) {
