@@ -405,7 +405,8 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
     """5.5.0 controller mode, on one mount and on two. kill -9 of the master: the controller promotes the slave, which serves
     all history (its evicted segments) and takes new writes; the old master restarts as a slave, truncates to
     the new master's epoch and catches up on tierfs; kill -9 of the new master hands the group back to it, and it
-    serves every message acknowledged by either."""
+    serves every message acknowledged by either. Before the first kill, on two mounts, both stores archive into one
+    table with no archive config (brokerIdentity names the group), each message of a sealed segment once."""
     env, report = controller_group, controller_group.report
     g, (a, b) = env.group, env.roots
     first, second, merged = env.base / "acked-1", env.base / "acked-2", env.base / "acked-all"
@@ -417,6 +418,13 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
     with timed(report, "wait evicted"):
         counts = wait_tiered_and_evicted(env, env.roots, 3)
     identical_sealed_segments(env, a, b)
+    if env.second is not None:  # each store finds the group's name in its root's brokerIdentity: no archive config
+        where = env.base / "positions-1"
+        with timed(report, f"consume {N}: where each message is stored"):
+            assert_all_read(env.consume_group("g-positions", N, first, where), N)
+        with timed(report, "archive both stores"):
+            archived = archive_group_once(env, first, where, N)
+        print(f"\n5.5.0 controller group archive table: {archived}")
 
     kill_and_wait_promotion(env, 0, report, "1")
     with timed(report, f"produce {m2} to the new master"):
