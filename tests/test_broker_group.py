@@ -194,14 +194,18 @@ def stored_bytes(env: GroupEnv) -> tuple[int, int]:
     return total, alone
 
 
-def archive(env: GroupEnv, root: str) -> dict:
-    """`tierfs compact --only archive` on the mount of store root `root` (Spark on 2 cores): the job's summary,
-    which must be clean."""
+def archive(env: GroupEnv, root: str, step: str) -> dict:
+    """`tierfs compact --only archive` on the mount of store root `root` (Spark on 2 cores), timed as `step`: the
+    job's summary (clean), with the seconds its Spark session took to start (0: none started)."""
     m = env.places[root].mount
-    r = m.cli("compact", m.mnt, "--json", "--only", "archive", "--master", "local[2]", timeout=600)
+    with timed(env.report, step):
+        r = m.cli("compact", m.mnt, "--json", "--only", "archive", "--master", "local[2]", timeout=600)
     assert r.returncode == 0 and r.stdout.strip(), f"{r.stdout}\n{r.stderr}\n{m.log_text()[-3000:]}"
     summary = json.loads(r.stdout)
     assert summary["ok"] and not summary["errors"], summary
+    result = m.state_dir / "jobs" / summary["job_id"] / "result.json"
+    summary["session_start_seconds"] = json.loads(result.read_text())["session_start_seconds"] \
+        if result.exists() else 0
     return summary
 
 
@@ -220,39 +224,46 @@ def sealed_bases(env: GroupEnv, root: str) -> list[int]:
     return bases
 
 
-def archive_group_once(env: GroupEnv, acked: Path, where: Path, count: int) -> dict:
+def archive_group(env: GroupEnv) -> dict:
     """Both stores of the group archive into one table: the master's store, the master's again (nothing to do)
     and the slave's (on one mount the first job takes both roots). Each sealed segment is committed once: the
-    slave's run adds no table version and no file.
-
-    Which messages the table must hold, exactly: those the broker stored in a sealed CommitLog segment. The
-    archive takes tiered segments only, and a CommitLog segment is tiered only once sealed (the active segment,
-    which the broker still appends to, never is); both stores hold the same sealed segments, from offset 0. The
-    consumer told where the broker stored each acknowledged message (`where`: CommitLog and queue offset), so:
-    the acknowledged messages whose CommitLog offset is below the end of the last sealed segment, plus the probe
-    messages (topic PROBE, sent before any other). Each is one row, under its (topic, queue, queue offset), with
-    the body, keys, tags and properties it was sent with."""
+    slave's run adds no table version and no file, and starts no Spark. What check_archived_once needs."""
     ms, sl = env.roots
     bases = {r: sealed_bases(env, r) for r in env.roots}
     assert bases[ms] == bases[sl] and len(bases[ms]) >= 3, bases
-    n, end = len(bases[ms]), len(bases[ms]) * B.COMMITLOG_BYTES
+    n = len(bases[ms])
     one_mount = env.second is None
-    first = archive(env, ms)
+    first = archive(env, ms, "archive: master")
     # one mount: its job takes both roots' segments and writes each once (the slave's are the master's replicas)
     assert first["applied"]["archive"] == (2 * n if one_mount else n), first
     table = archive_table(env)
     version, files = table.version(), sorted(table.file_uris())
-    again = archive(env, ms)
+    again = archive(env, ms, "archive: master again")
     assert again.get("note") == "nothing to do", again
-    if not one_mount:
-        replica = archive(env, sl)
+    if not one_mount:  # the replica's job finds every segment in the table: it writes nothing, starts no Spark
+        replica = archive(env, sl, "archive: slave")
         assert replica["applied"]["archive"] == n and replica["archive_rows"] == 0, replica
+        assert replica["session_start_seconds"] == 0, replica
     table = archive_table(env)
     assert (table.version(), sorted(table.file_uris())) == (version, files), \
         f"the replica's run changed the table: {table.history(3)}"
+    # the probe messages (topic PROBE, one queue) were sent before any other: all in the first segment
+    probes = B.queue_offset(env.path(sl) / "consumequeue" / PROBE / "0")
+    return {"sealed segments": n, "end": n * B.COMMITLOG_BYTES, "probes": probes, "table version": version,
+            "table files": len(files)}
 
-    rows = table.to_pyarrow_table(columns=["topic", "queue_id", "queue_offset", "phys_offset", "keys", "tags",
-                                           "properties", "body", "broker", "segment"]).to_pylist()
+
+def check_archived_once(env: GroupEnv, archived: dict, acked: Path, where: Path, count: int) -> dict:
+    """The table archive_group made holds exactly the messages the broker stored in a sealed CommitLog segment.
+    The archive takes tiered segments only, and a CommitLog segment is tiered only once sealed (the active
+    segment, which the broker still appends to, never is); both stores held the same sealed segments, from
+    offset 0. A consumer told where the broker stored each acknowledged message (`where`: CommitLog and queue
+    offset), so: the acknowledged messages (of sequence numbers 0..count-1) whose CommitLog offset is below the
+    end of the last sealed segment, plus the probe messages. Each is one row, under its (topic, queue, queue
+    offset), with the body, keys, tags and properties it was sent with. Figures for the report."""
+    ms, sl = env.roots
+    rows = archive_table(env).to_pyarrow_table(columns=["topic", "queue_id", "queue_offset", "phys_offset", "keys",
+                                                        "tags", "properties", "body", "broker", "segment"]).to_pylist()
     ids = Counter((r["topic"], r["queue_id"], r["queue_offset"]) for r in rows)
     dups = sum(c - 1 for c in ids.values())
     assert dups == 0, [k for k, c in ids.items() if c > 1][:5]
@@ -260,7 +271,7 @@ def archive_group_once(env: GroupEnv, acked: Path, where: Path, count: int) -> d
     bits = int.from_bytes(acked.read_bytes(), "little")
     ack = [seq for seq in range(count) if bits >> seq & 1]
     assert len(ack) == count and all(pos[seq][0] >= 0 for seq in ack)
-    want = {seq for seq in ack if pos[seq][0] < end}
+    want = {seq for seq in ack if pos[seq][0] < archived["end"]}
     topics = TOPICS.split(",")
     got: dict[int, dict] = {}
     probes = []
@@ -280,10 +291,8 @@ def archive_group_once(env: GroupEnv, acked: Path, where: Path, count: int) -> d
             (B.topic_of(topics, seq), B.queue_of(topics, QUEUES, seq), *pos[seq]), (seq, r)
     assert set(got) == want, (f"{len(want - set(got))} missing (first {sorted(want - set(got))[:5]}), "
                               f"{len(set(got) - want)} not in a sealed segment (first {sorted(set(got) - want)[:5]})")
-    sent = B.queue_offset(env.path(sl) / "consumequeue" / PROBE / "0")
-    assert sorted(probes) == list(range(sent)), (sorted(probes), sent)
-    return {"rows": len(rows), "duplicates": dups, "messages": len(want), "of acked": count, "probes": sent,
-            "sealed segments": n, "table version": version, "table files": len(files)}
+    assert sorted(probes) == list(range(archived["probes"])), (sorted(probes), archived)
+    return {"rows": len(rows), "duplicates": dups, "messages": len(want), "of acked": count, **archived}
 
 
 def caught_up(env: GroupEnv, follower: str, leader: str) -> bool:
@@ -339,7 +348,7 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     """4.9.7 master-slave, on one mount and on two: every message acknowledged by the SYNC_MASTER is read back by content
     from the slave, from offset 0, after both stores' sealed segments were tiered and evicted and the master
     stopped. Both stores then archive into one table, each message of a sealed segment exactly once
-    (archive_group_once)."""
+    (archive_group, check_archived_once)."""
     env, report = master_slave, master_slave.report
     acked = env.base / "acked"
     with timed(report, f"produce {N}"):
@@ -361,8 +370,7 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     assert_all_read(got, N)
     assert got["read"] == N and got["dups"] == 0, got
     report["msgs/s from slave"] = round(N / got["secs"])
-    with timed(report, "archive both stores"):
-        archived = archive_group_once(env, acked, where, N)
+    archived = check_archived_once(env, archive_group(env), acked, where, N)
     print(f"\n4.9.7 group archive table: {archived}")
     print(f"\n4.9.7 group: (tiered, evicted) CommitLog segments per store {counts}; {same} sealed segments "
           f"byte-identical between master and slave; (tiered files the slave has too, byte-identical) by kind: "
@@ -418,22 +426,20 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
     with timed(report, "wait evicted"):
         counts = wait_tiered_and_evicted(env, env.roots, 3)
     identical_sealed_segments(env, a, b)
-    if env.second is not None:  # each store finds the group's name in its root's brokerIdentity: no archive config
-        where = env.base / "positions-1"
-        with timed(report, f"consume {N}: where each message is stored"):
-            assert_all_read(env.consume_group("g-positions", N, first, where), N)
-        with timed(report, "archive both stores"):
-            archived = archive_group_once(env, first, where, N)
-        print(f"\n5.5.0 controller group archive table: {archived}")
+    # each store finds the group's name in its root's brokerIdentity: no archive config (checked below)
+    archived = archive_group(env) if env.second is not None else None
 
     kill_and_wait_promotion(env, 0, report, "1")
     with timed(report, f"produce {m2} to the new master"):
         res = env.produce_group(N, m2, second)
     assert res["acked"] == m2 and res["errors"] == 0, (res["first_errors"], res)
     merged.write_bytes(B.merge_acked([(first.read_bytes(), 0), (second.read_bytes(), N)]))
+    where = env.base / "positions-new-master"
     with timed(report, "consume all from the new master"):
-        got = env.consume_group("g-new-master", N + m2, merged)
+        got = env.consume_group("g-new-master", N + m2, merged, where)
     assert_all_read(got, N + m2)
+    if archived is not None:  # the new master stored the old master's messages at the same offsets
+        print(f"\n5.5.0 controller group archive table: {check_archived_once(env, archived, merged, where, N + m2)}")
 
     with timed(report, "old master rejoins and catches up"):
         syncs = len(re.findall(r"syncStateSet has been changed into", g.members[1].broker_log()))
