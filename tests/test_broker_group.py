@@ -216,12 +216,30 @@ def archive_table(env: GroupEnv):
     return DeltaTable(str(env.objects / "tables" / "messages"))
 
 
+def tiered_bases(env: GroupEnv, root: str) -> list[int]:
+    """Base offsets of store root `root`'s tiered CommitLog segments, in order."""
+    return sorted(int(f["path"].rsplit("/", 1)[1]) for f in env.rows(root) if f["state"] == "tiered")
+
+
+def active_base(env: GroupEnv, root: str) -> int:
+    """Base offset of store root `root`'s active CommitLog segment: the newest holding a record (the broker
+    creates the next one, all zeros, ahead of time). Reads the first bytes of the newest files (hot)."""
+    for p in sorted((p for p in (env.path(root) / "commitlog").iterdir() if p.name.isdigit()),
+                    key=lambda p: int(p.name), reverse=True):
+        with open(p, "rb") as f:
+            if f.read(4).strip(b"\0"):
+                return int(p.name)
+    raise AssertionError(f"no CommitLog segment of {root} holds a record")
+
+
 def sealed_bases(env: GroupEnv, root: str) -> list[int]:
-    """Base offsets of store root `root`'s tiered CommitLog segments: its sealed ones (a CommitLog segment seals
-    once the broker rolled past it, format §12; the active one never does), from 0 on (no retention here)."""
-    bases = sorted(int(f["path"].rsplit("/", 1)[1]) for f in env.rows(root) if f["state"] == "tiered")
-    assert bases == [i * B.COMMITLOG_BYTES for i in range(len(bases))], (root, bases)
-    return bases
+    """Base offsets of store root `root`'s sealed CommitLog segments, once every one is tiered: those below the
+    active segment (a CommitLog segment seals once the broker rolled past it, format §12; the active one never
+    does), from 0 on (no retention here). The broker takes no message meanwhile."""
+    sealed = list(range(0, active_base(env, root), B.COMMITLOG_BYTES))
+    wait_for(lambda: tiered_bases(env, root) == sealed, 120, 0.5,
+             what=f"every sealed CommitLog segment of {root} tiered (and no other)")
+    return sealed
 
 
 def archive_group(env: GroupEnv) -> dict:
