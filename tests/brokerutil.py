@@ -426,6 +426,30 @@ HASH_SLOTS = 5_000
 TIMERLOG_BYTES = 52 * 5_000  # TimerLog units are 52 bytes; a segment ends with a roll blank
 
 
+def body(seq: int, size: int) -> bytes:
+    """BrokerClient.body: a message's body is a pure function of its sequence number."""
+    unit = b"m%012d|" % seq
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def topic_of(topics: Sequence[str], seq: int) -> str:
+    """BrokerClient.topicOf."""
+    return topics[seq % len(topics)]
+
+
+def queue_of(topics: Sequence[str], queues: int, seq: int) -> int:
+    """BrokerClient.queueOf."""
+    return (seq // len(topics)) % queues
+
+
+def positions(path: Path) -> list[tuple[int, int]]:
+    """A consume's POSITIONS_FILE: (CommitLog offset, queue offset) where the broker stored each sequence number
+    from the consume's START, (-1, -1) for one not read."""
+    raw = Path(path).read_bytes()
+    v = struct.unpack(f">{len(raw) // 8}q", raw)
+    return list(zip(v[0::2], v[1::2]))
+
+
 def merge_acked(parts: Sequence[tuple[bytes, int]]) -> bytes:
     """java.util.BitSet byte arrays (little-endian), each over a range starting at its offset, as one BitSet
     from 0: what a consumer of all those ranges at once is told to expect."""

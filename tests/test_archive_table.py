@@ -383,7 +383,7 @@ def identities(uri: str) -> Counter:
 def test_master_and_slave_archive_each_message_once(native, tmp_path):
     """A master's and its slave's stores (byte-identical segments at the same offsets) archive into one table:
     each message once per (broker group, topic, queue, offset), whichever store archives first, and when both
-    are roots of one mount archived by one job. A replica whose segment an unclean election rewrote replaces the
+    are roots of one mount archived by one job (the replica's job, with nothing to write, starts no Spark). A replica whose segment an unclean election rewrote replaces the
     segment's rows (reported), never adds to them. Fails on the per-store keying (each store's rows added)."""
     import dataclasses
 
@@ -423,6 +423,7 @@ def test_master_and_slave_archive_each_message_once(native, tmp_path):
     expect({"broker-a": want})
     r = job("slave", "store-s", "broker-a", s_segs)
     assert all(x.get("committed_before") and x["rows"] == 0 for x in r["archive"]) and len(r["archive"]) == len(rels)
+    assert r["session_start_seconds"] == 0, "Spark started for a job with nothing to write"
     assert table_rows(uri, ["store_id"]).column("store_id").unique().to_pylist() == ["store-m"]
     expect({"broker-a": want})
 

@@ -5,7 +5,10 @@ both stores are evicted before they are read.
 
 4.9.7 master-slave: the master (SYNC_MASTER: a send is acknowledged once the slave has it) takes every message;
 once the sealed segments of both stores are tiered and evicted, the master stops and a new consumer group reads
-everything from offset 0 off the slave, every acknowledged message checked by content.
+everything from offset 0 off the slave, every acknowledged message checked by content. Then both stores
+archive (`tierfs compact --only archive`, archive.broker_name naming the group: a 4.x broker records no
+brokerName) into the one Delta table beside the bucket's objects: each sealed segment is committed once (the
+slave's run adds no table version), each message stored in a sealed segment is one row, with what was sent.
 
 5.5.0 controller mode: a controller process (rocketmq-controller's ControllerStartup) elects the master;
 kill -9 of the master, the controller promotes the slave, which serves all history out of the tier and takes new
@@ -27,6 +30,7 @@ import re
 import signal
 import sqlite3
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -68,6 +72,9 @@ class GroupEnv(Env):
                                            f"upload.dedup_group={B.BROKER_NAME}",
                                            "upload.dedup_group_grace_seconds=1")
             self.places = {roots[0]: self, roots[1]: self.second or self}
+            if not controller:  # a 4.x broker records no brokerName in its store: the archive is told its group
+                for place in dict.fromkeys(self.places.values()):
+                    place.mount.options = (*place.mount.options, f"archive.broker_name={B.BROKER_NAME}")
             self.group = B.BrokerGroup(version, base / "home", [self.path(r) for r in roots], controller=controller)
         except BaseException:  # e.g. RocketMQ not resolved: no tmpfs left behind
             if self.second is not None:
@@ -92,9 +99,9 @@ class GroupEnv(Env):
         return self.client("produce", self.group.ns_addr, B.BROKER_NAME, topics, queues, start, count, BODY,
                            threads, acked)
 
-    def consume_group(self, group: str, count: int, acked: Path) -> dict:
+    def consume_group(self, group: str, count: int, acked: Path, positions: Path | None = None) -> dict:
         return self.client("consume", self.group.ns_addr, B.BROKER_NAME, TOPICS, QUEUES, 0, count, BODY, group,
-                           acked, 0)
+                           acked, 0, *([positions] if positions else []))
 
     def mount_all(self) -> None:
         for place in dict.fromkeys(self.places.values()):
@@ -187,6 +194,125 @@ def stored_bytes(env: GroupEnv) -> tuple[int, int]:
     return total, alone
 
 
+def archive(env: GroupEnv, root: str, step: str) -> dict:
+    """`tierfs compact --only archive` on the mount of store root `root` (Spark on 2 cores), timed as `step`: the
+    job's summary (clean), with the seconds its Spark session took to start (0: none started)."""
+    m = env.places[root].mount
+    with timed(env.report, step):
+        r = m.cli("compact", m.mnt, "--json", "--only", "archive", "--master", "local[2]", timeout=600)
+    assert r.returncode == 0 and r.stdout.strip(), f"{r.stdout}\n{r.stderr}\n{m.log_text()[-3000:]}"
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and not summary["errors"], summary
+    result = m.state_dir / "jobs" / summary["job_id"] / "result.json"
+    summary["session_start_seconds"] = json.loads(result.read_text())["session_start_seconds"] \
+        if result.exists() else 0
+    return summary
+
+
+def archive_table(env: GroupEnv):
+    """The archive table the group's stores commit to, beside the objects (one bucket for the group)."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(env.objects / "tables" / "messages"))
+
+
+def tiered_bases(env: GroupEnv, root: str) -> list[int]:
+    """Base offsets of store root `root`'s tiered CommitLog segments, in order."""
+    return sorted(int(f["path"].rsplit("/", 1)[1]) for f in env.rows(root) if f["state"] == "tiered")
+
+
+def active_base(env: GroupEnv, root: str) -> int:
+    """Base offset of store root `root`'s active CommitLog segment: the newest holding a record (the broker
+    creates the next one, all zeros, ahead of time). Reads the first bytes of the newest files (hot)."""
+    for p in sorted((p for p in (env.path(root) / "commitlog").iterdir() if p.name.isdigit()),
+                    key=lambda p: int(p.name), reverse=True):
+        with open(p, "rb") as f:
+            if f.read(4).strip(b"\0"):
+                return int(p.name)
+    raise AssertionError(f"no CommitLog segment of {root} holds a record")
+
+
+def sealed_bases(env: GroupEnv, root: str) -> list[int]:
+    """Base offsets of store root `root`'s sealed CommitLog segments, once every one is tiered: those below the
+    active segment (a CommitLog segment seals once the broker rolled past it, format §12; the active one never
+    does), from 0 on (no retention here). The broker takes no message meanwhile."""
+    sealed = list(range(0, active_base(env, root), B.COMMITLOG_BYTES))
+    wait_for(lambda: tiered_bases(env, root) == sealed, 120, 0.5,
+             what=f"every sealed CommitLog segment of {root} tiered (and no other)")
+    return sealed
+
+
+def archive_group(env: GroupEnv) -> dict:
+    """Both stores of the group archive into one table: the master's store, the master's again (nothing to do)
+    and the slave's (on one mount the first job takes both roots). Each sealed segment is committed once: the
+    slave's run adds no table version and no file, and starts no Spark. What check_archived_once needs."""
+    ms, sl = env.roots
+    bases = {r: sealed_bases(env, r) for r in env.roots}
+    assert bases[ms] == bases[sl] and len(bases[ms]) >= 3, bases
+    n = len(bases[ms])
+    one_mount = env.second is None
+    first = archive(env, ms, "archive: master")
+    # one mount: its job takes both roots' segments and writes each once (the slave's are the master's replicas)
+    assert first["applied"]["archive"] == (2 * n if one_mount else n), first
+    table = archive_table(env)
+    version, files = table.version(), sorted(table.file_uris())
+    again = archive(env, ms, "archive: master again")
+    assert again.get("note") == "nothing to do", again
+    if not one_mount:  # the replica's job finds every segment in the table: it writes nothing, starts no Spark
+        replica = archive(env, sl, "archive: slave")
+        assert replica["applied"]["archive"] == n and replica["archive_rows"] == 0, replica
+        assert replica["session_start_seconds"] == 0, replica
+    table = archive_table(env)
+    assert (table.version(), sorted(table.file_uris())) == (version, files), \
+        f"the replica's run changed the table: {table.history(3)}"
+    # the probe messages (topic PROBE, one queue) were sent before any other: all in the first segment
+    probes = B.queue_offset(env.path(sl) / "consumequeue" / PROBE / "0")
+    return {"sealed segments": n, "end": n * B.COMMITLOG_BYTES, "probes": probes, "table version": version,
+            "table files": len(files)}
+
+
+def check_archived_once(env: GroupEnv, archived: dict, acked: Path, where: Path, count: int) -> dict:
+    """The table archive_group made holds exactly the messages the broker stored in a sealed CommitLog segment.
+    The archive takes tiered segments only, and a CommitLog segment is tiered only once sealed (the active
+    segment, which the broker still appends to, never is); both stores held the same sealed segments, from
+    offset 0. A consumer told where the broker stored each acknowledged message (`where`: CommitLog and queue
+    offset), so: the acknowledged messages (of sequence numbers 0..count-1) whose CommitLog offset is below the
+    end of the last sealed segment, plus the probe messages. Each is one row, under its (topic, queue, queue
+    offset), with the body, keys, tags and properties it was sent with. Figures for the report."""
+    ms, sl = env.roots
+    rows = archive_table(env).to_pyarrow_table(columns=["topic", "queue_id", "queue_offset", "phys_offset", "keys",
+                                                        "tags", "properties", "body", "broker", "segment"]).to_pylist()
+    ids = Counter((r["topic"], r["queue_id"], r["queue_offset"]) for r in rows)
+    dups = sum(c - 1 for c in ids.values())
+    assert dups == 0, [k for k, c in ids.items() if c > 1][:5]
+    pos = B.positions(where)
+    bits = int.from_bytes(acked.read_bytes(), "little")
+    ack = [seq for seq in range(count) if bits >> seq & 1]
+    assert len(ack) == count and all(pos[seq][0] >= 0 for seq in ack)
+    want = {seq for seq in ack if pos[seq][0] < archived["end"]}
+    topics = TOPICS.split(",")
+    got: dict[int, dict] = {}
+    probes = []
+    for r in rows:
+        seq = int(dict(r["properties"])["seq"])
+        seg = r["phys_offset"] - r["phys_offset"] % B.COMMITLOG_BYTES
+        assert r["broker"] == B.BROKER_NAME and r["segment"] in (f"{ms}/commitlog/{seg:020d}",
+                                                                 f"{sl}/commitlog/{seg:020d}"), r["segment"]
+        assert (r["body"], r["keys"], r["tags"], dict(r["properties"]).get("p")) == \
+            (B.body(seq, BODY), [f"K{seq}"], f"T{seq % 5}", f"v{seq * 7919 % 100003}"), (seq, r)
+        if r["topic"] == PROBE:
+            probes.append(r["queue_offset"])
+            continue
+        assert seq not in got, f"message {seq} archived twice"
+        got[seq] = r
+        assert (r["topic"], r["queue_id"], r["phys_offset"], r["queue_offset"]) == \
+            (B.topic_of(topics, seq), B.queue_of(topics, QUEUES, seq), *pos[seq]), (seq, r)
+    assert set(got) == want, (f"{len(want - set(got))} missing (first {sorted(want - set(got))[:5]}), "
+                              f"{len(set(got) - want)} not in a sealed segment (first {sorted(set(got) - want)[:5]})")
+    assert sorted(probes) == list(range(archived["probes"])), (sorted(probes), archived)
+    return {"rows": len(rows), "duplicates": dups, "messages": len(want), "of acked": count, **archived}
+
+
 def caught_up(env: GroupEnv, follower: str, leader: str) -> bool:
     """Every ConsumeQueue of the follower has as many units as the leader's: it replicated (and dispatched)
     everything the leader has."""
@@ -239,7 +365,8 @@ def master_slave(request, tmp_path):
 def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     """4.9.7 master-slave, on one mount and on two: every message acknowledged by the SYNC_MASTER is read back by content
     from the slave, from offset 0, after both stores' sealed segments were tiered and evicted and the master
-    stopped."""
+    stopped. Both stores then archive into one table, each message of a sealed segment exactly once
+    (archive_group, check_archived_once)."""
     env, report = master_slave, master_slave.report
     acked = env.base / "acked"
     with timed(report, f"produce {N}"):
@@ -255,11 +382,14 @@ def test_master_slave_slave_serves_evicted_history(master_slave: GroupEnv):
     master = env.group.members[0]
     with timed(report, "master stop"):
         master.stop_broker(signal.SIGTERM)  # unregisters: the name server routes the group to the slave only
+    where = env.base / "positions"
     with timed(report, f"consume {N} from slave"):
-        got = env.consume_group("g-from-slave", N, acked)
+        got = env.consume_group("g-from-slave", N, acked, where)
     assert_all_read(got, N)
     assert got["read"] == N and got["dups"] == 0, got
     report["msgs/s from slave"] = round(N / got["secs"])
+    archived = check_archived_once(env, archive_group(env), acked, where, N)
+    print(f"\n4.9.7 group archive table: {archived}")
     print(f"\n4.9.7 group: (tiered, evicted) CommitLog segments per store {counts}; {same} sealed segments "
           f"byte-identical between master and slave; (tiered files the slave has too, byte-identical) by kind: "
           f"{others}; stored bytes group/master = {stored / alone:.3f} ({stored} / {alone})")
@@ -301,7 +431,8 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
     """5.5.0 controller mode, on one mount and on two. kill -9 of the master: the controller promotes the slave, which serves
     all history (its evicted segments) and takes new writes; the old master restarts as a slave, truncates to
     the new master's epoch and catches up on tierfs; kill -9 of the new master hands the group back to it, and it
-    serves every message acknowledged by either."""
+    serves every message acknowledged by either. Before the first kill, on two mounts, both stores archive into one
+    table with no archive config (brokerIdentity names the group), each message of a sealed segment once."""
     env, report = controller_group, controller_group.report
     g, (a, b) = env.group, env.roots
     first, second, merged = env.base / "acked-1", env.base / "acked-2", env.base / "acked-all"
@@ -313,15 +444,20 @@ def test_controller_failover_and_rejoin_on_tierfs(controller_group: GroupEnv):
     with timed(report, "wait evicted"):
         counts = wait_tiered_and_evicted(env, env.roots, 3)
     identical_sealed_segments(env, a, b)
+    # each store finds the group's name in its root's brokerIdentity: no archive config (checked below)
+    archived = archive_group(env) if env.second is not None else None
 
     kill_and_wait_promotion(env, 0, report, "1")
     with timed(report, f"produce {m2} to the new master"):
         res = env.produce_group(N, m2, second)
     assert res["acked"] == m2 and res["errors"] == 0, (res["first_errors"], res)
     merged.write_bytes(B.merge_acked([(first.read_bytes(), 0), (second.read_bytes(), N)]))
+    where = env.base / "positions-new-master"
     with timed(report, "consume all from the new master"):
-        got = env.consume_group("g-new-master", N + m2, merged)
+        got = env.consume_group("g-new-master", N + m2, merged, where)
     assert_all_read(got, N + m2)
+    if archived is not None:  # the new master stored the old master's messages at the same offsets
+        print(f"\n5.5.0 controller group archive table: {check_archived_once(env, archived, merged, where, N + m2)}")
 
     with timed(report, "old master rejoins and catches up"):
         syncs = len(re.findall(r"syncStateSet has been changed into", g.members[1].broker_log()))

@@ -56,9 +56,7 @@ def dledger_port(rmqs: list[B.RocketMQ], taken: tuple[int, ...] = ()) -> int:
 
 
 def body_of(seq: int, size: int = BODY) -> bytes:
-    """BrokerClient.body: the message body is a pure function of its sequence number."""
-    unit = b"m%012d|" % seq
-    return (unit * (size // len(unit) + 1))[:size]
+    return B.body(seq, size)
 
 
 @pytest.fixture(scope="module", params=B.VERSIONS)

@@ -411,11 +411,16 @@ def test_job_drops_a_class_data_archive_its_driver_cannot_start_with(tmp_path, m
     planned.archive.write_bytes(b"damaged")
     job = tmp_path / "job"
     job.mkdir()
-    (job / "input.json").write_text(json.dumps({"job_id": "cds", "stages": [], "store_id": "s", "spark": spark,
+    # one segment to compact (its object is missing: an item error), so that the job starts Spark
+    seg = {"path": "commitlog/00000000000000000000", "generation": 1, "size": 4096, "format": "raw",
+           "objects": ["s/seg/missing"]}
+    (job / "input.json").write_text(json.dumps({"job_id": "cds", "stages": ["segments"], "store_id": "s",
+                                                "spark": spark, "segments": [seg],
                                                 "store": {"url": f"file://{tmp_path / 'objects'}"}}))
     r = run_job(job, failpoints="spark.session.cds")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((job / "result.json").read_text())["ok"]
+    result = json.loads((job / "result.json").read_text())
+    assert result["session_start_seconds"] > 0 and [e["path"] for e in result["errors"]] == [seg["path"]], result
     assert "which is removed" in r.stderr and not planned.archive.exists()
 
 

@@ -42,7 +42,9 @@ import org.apache.rocketmq.tools.admin.DefaultMQAdminExt;
  *                                                      then create it again with QUEUES queues if given
  *   config  NS BROKER_ADDR KEY=VALUE...                change broker (and store) settings at run time
  *   produce NS BROKER_NAME TOPICS QUEUES START COUNT BODY THREADS ACKED_FILE [DELIVER_AT_MS]
- *   consume NS BROKER_NAME TOPICS QUEUES START COUNT BODY GROUP ACKED_FILE|- [WAIT_SECONDS]
+ *   consume NS BROKER_NAME TOPICS QUEUES START COUNT BODY GROUP ACKED_FILE|- [WAIT_SECONDS [POSITIONS_FILE]]
+ *           POSITIONS_FILE: where the broker stored each message read, per sequence number from START
+ *           (big-endian CommitLog offset, queue offset; -1, -1 for one not read)
  *   query   NS TOPICS START COUNT BODY N              key queries for N sequence numbers spread over the range
  */
 public final class BrokerClient {
@@ -355,6 +357,9 @@ public final class BrokerClient {
         String group = a[8];
         BitSet expected = a[9].equals("-") ? null : readBits(a[9]);
         long waitMs = a.length > 10 ? (long) (Double.parseDouble(a[10]) * 1000) : 0;
+        String positionsFile = a.length > 11 ? a[11] : null;
+        long[] positions = new long[(int) (2 * count)];
+        Arrays.fill(positions, -1L);
         DefaultMQPullConsumer consumer = new DefaultMQPullConsumer(group);
         consumer.setNamesrvAddr(ns);
         consumer.setVipChannelEnabled(false);
@@ -398,6 +403,8 @@ public final class BrokerClient {
                                 synchronized (seen) {
                                     if (seen.get((int) (seq - start))) dups.incrementAndGet();
                                     seen.set((int) (seq - start));
+                                    positions[(int) (2 * (seq - start))] = m.getCommitLogOffset();
+                                    positions[(int) (2 * (seq - start)) + 1] = m.getQueueOffset();
                                 }
                             }
                         } else if (r.getPullStatus() == PullStatus.OFFSET_ILLEGAL && r.getNextBeginOffset() > offset) {
@@ -418,6 +425,11 @@ public final class BrokerClient {
         for (Future<?> f : futures) f.get();
         double secs = (System.nanoTime() - t0) / 1e9;
         pool.shutdown();
+        if (positionsFile != null) {
+            java.nio.ByteBuffer buf = java.nio.ByteBuffer.allocate(8 * positions.length);
+            buf.asLongBuffer().put(positions);
+            Files.write(new File(positionsFile).toPath(), buf.array());
+        }
         Map<String, Object> out = new HashMap<>();
         out.put("read", read.get());
         out.put("distinct", seen.cardinality());

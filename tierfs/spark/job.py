@@ -422,6 +422,62 @@ def warm_up(sc) -> None:
     sc.parallelize(range(n), n).mapPartitions(_warm_task).collect()
 
 
+class SparkStartError(Exception):
+    """Spark could not start (the message says why)."""
+
+
+class Session:
+    """The job's SparkSession, started (class-data archive, executor warm-up) when a stage first has segments to
+    run: a job whose every segment the archive table already holds (a replica of the group archived them) starts
+    no JVM, and costs a second instead of a Spark start."""
+
+    def __init__(self, inp: JobInput):
+        self.inp = inp
+        self.spark = None
+        self.cds_plan: cds.Plan | None = None
+        self.startup = 0.0  # seconds the start took (0: not started)
+
+    @property
+    def sparkContext(self):
+        if self.spark is None:
+            self.spark = self._start()
+        return self.spark.sparkContext
+
+    def _start(self):
+        t0 = time.monotonic()
+        # the driver JVM is started here unless spark-submit started it (then it runs as that was configured)
+        self.cds_plan = None if "PYSPARK_GATEWAY_PORT" in os.environ else \
+            cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **self.inp.spark})
+        try:
+            try:
+                spark = start_session(self.inp, self.cds_plan)
+            except Exception as e:  # noqa: BLE001 - a damaged archive must not stop every job: drop it, start again
+                if self.cds_plan is None:
+                    raise
+                print(f"tierfs.spark: warning: Spark did not start with class-data archive {self.cds_plan.archive}, "
+                      f"which is removed: {_spark_error(e)}", file=sys.stderr)
+                cds.discard(self.cds_plan)
+                self.cds_plan = None
+                spark = start_session(self.inp, None)
+        except Exception as e:  # noqa: BLE001
+            raise SparkStartError(f"cannot start Spark (spark.master {self.inp.master!r}): {_spark_error(e)}") \
+                from None
+        try:
+            warm_up(spark.sparkContext)
+        except Exception as e:  # noqa: BLE001 - the stages then report what is wrong, item by item
+            print(f"tierfs.spark: warning: executor warm-up failed: {_spark_error(e)}", file=sys.stderr)
+        self.startup = time.monotonic() - t0
+        return spark
+
+    def stop(self) -> None:
+        if self.spark is None:
+            return
+        self.spark.stop()
+        from pyspark import SparkContext
+
+        cds.publish(self.cds_plan, SparkContext)
+
+
 def _spark_error(e: BaseException) -> str:
     """A short message for a task that failed inside Spark (worker crash, lost executor), not a Java trace."""
     text = str(getattr(e, "java_exception", None) or e)
@@ -513,10 +569,11 @@ def _item_done(stage: str, seg: dict, outcome: dict, report: StageReport, progre
 
 
 def run_job(inp: JobInput, spark, progress: Progress) -> dict:
+    """The stages, in order. `spark`: a SparkSession or a Session, whose context is asked for only by a stage
+    with segments to run."""
     from tierfs.tier.lease import last_holder
 
     t0 = time.monotonic()
-    sc = spark.sparkContext
     result: dict[str, Any] = {"job_id": inp.job_id, "ok": True, "seconds": 0.0, "segments": [], "indexes": [],
                               "archive": [], "archive_deleted": [], "archive_superseded": [], "errors": [],
                               "stages": {}}
@@ -548,7 +605,7 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
         replicas: dict[str, list[dict]] = {}
         if table:
             good, replicas = _not_yet_in_table(inp, good, result)
-        report = run_stage(sc, stage, good, params, progress, on_item)
+        report = run_stage(spark.sparkContext if good else None, stage, good, params, progress, on_item)
         if table:
             _commit_table(inp, pending, replicas, result)
             if inp.table_retention_days > 0:
@@ -706,43 +763,23 @@ def main(argv: list[str] | None = None) -> int:
     for stale in (job_dir / RESULT,):
         stale.unlink(missing_ok=True)  # a re-run in the same directory must not leave an old result behind
     progress = Progress(job_dir / PROGRESS)
+    session = Session(inp)
     try:
-        t0 = time.monotonic()
-        # the driver JVM is started here unless spark-submit started it (then it runs as that was configured)
-        cds_plan = None if "PYSPARK_GATEWAY_PORT" in os.environ else \
-            cds.plan({"spark.driver.extraJavaOptions": QUICK_JVM, **inp.spark})
         try:
-            try:
-                spark = start_session(inp, cds_plan)
-            except Exception as e:  # noqa: BLE001 - a damaged archive must not stop every job: drop it, start again
-                if cds_plan is None:
-                    raise
-                print(f"tierfs.spark: warning: Spark did not start with class-data archive {cds_plan.archive}, "
-                      f"which is removed: {_spark_error(e)}", file=sys.stderr)
-                cds.discard(cds_plan)
-                cds_plan = None
-                spark = start_session(inp, None)
-        except Exception as e:  # noqa: BLE001
-            print(f"tierfs.spark: error: cannot start Spark (spark.master {inp.master!r}): {_spark_error(e)}",
-                  file=sys.stderr)
-            return EXIT_FAILED
-        try:
-            try:
-                warm_up(spark.sparkContext)
-            except Exception as e:  # noqa: BLE001 - the stages then report what is wrong, item by item
-                print(f"tierfs.spark: warning: executor warm-up failed: {_spark_error(e)}", file=sys.stderr)
-            startup = time.monotonic() - t0
-            result = run_job(inp, spark, progress)
-            result["session_start_seconds"] = round(startup, 3)
+            result = run_job(inp, session, progress)
+            # the job's seconds are its stages' (the session's start is reported on its own)
+            result["seconds"] = round(max(0.0, result["seconds"] - session.startup), 3)
+            result["session_start_seconds"] = round(session.startup, 3)
             write_result(job_dir, result)
+        except SparkStartError as e:
+            print(f"tierfs.spark: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
         finally:
-            spark.stop()
-            from pyspark import SparkContext
-
-            cds.publish(cds_plan, SparkContext)
+            session.stop()
     finally:
         progress.close()
     failed = len(result["errors"])
-    print(f"tierfs.spark: job {inp.job_id} done in {result['seconds']:.1f} s (session start {startup:.1f} s); "
-          f"{failed} item error(s)", file=sys.stderr)
+    started = f"session start {session.startup:.1f} s" if session.spark is not None else "no Spark session needed"
+    print(f"tierfs.spark: job {inp.job_id} done in {result['seconds']:.1f} s ({started}); {failed} item error(s)",
+          file=sys.stderr)
     return EXIT_OK
