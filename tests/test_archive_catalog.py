@@ -1,0 +1,125 @@
+"""archive.catalog = hive: the archive job registers the Delta table in a real Hive Metastore (tests/hivemetastore.py).
+
+The store is the multi-topic one of tests/test_spark_job.py (examples/producer.py). Jobs run as the daemon runs
+them (`python -m tierfs.spark`, a local SparkSession); a separate reader SparkSession with Hive support on the same
+metastore, which never creates a table itself, then counts every message by topic through the registered names.
+The metastore is stopped and started again (by PID) to check that a registration failure never costs the commit
+and that the next job registers the table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import deltaspark as ds
+from hivemetastore import Metastore, hive_metastore, hive_sql  # noqa: F401 (the fixture)
+from test_archive_table import GEN0, _job, table_rows
+from test_spark_job import messages, native, sealed, upload, write_input  # noqa: F401 (the fixture)
+from tierfs.config import Config, ConfigError
+from tierfs.objectstore import open_store
+from tierfs.spark import catalog as hc
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["archive.catalog=hive"], ["'archive.catalog_uri' is empty", 'archive.catalog_uri = "thrift://HOST:9083"']),
+    (["archive.catalog=hive,archive.catalog_uri=thrift://h:9083,archive.format=parquet"],
+     ["'archive.format' is 'parquet'", 'archive.format = "delta"']),
+    (["archive.catalog_uri=http://h:9083"], ["config key 'archive.catalog_uri'", "is not thrift://HOST:PORT"]),
+    (["archive.catalog_uri=thrift://h"], ["config key 'archive.catalog_uri'", "thrift://HOST:PORT"]),
+    (["archive.catalog_table=messages"], ["config key 'archive.catalog_table'", "a database and a table",
+                                          "'tierfs.messages'"]),
+    (["archive.catalog_table=tierfs.my-table"], ["config key 'archive.catalog_table'", "'my-table' is not a name"]),
+    (["archive.catalog=glue"], ["archive.catalog", "hive"]),
+])
+def test_bad_catalog_config_is_refused_naming_the_key_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, overrides)
+    for m in message:
+        assert m in str(e.value)
+
+
+def test_catalog_config_and_the_location_readers_use(tmp_path):
+    (tmp_path / "c.toml").write_text('[archive]\ncatalog = "hive"\ncatalog_uri = "thrift://a:9083,thrift://b:9083"\n')
+    cfg = Config.load(str(tmp_path / "c.toml"))
+    assert (cfg["archive.catalog"], cfg["archive.catalog_table"]) == ("hive", "tierfs.messages")
+    assert Config.load(None, [])["archive.catalog"] == "none"
+    assert hc.reader_location("s3://bkt/pre/fix/tables/messages") == "s3a://bkt/pre/fix/tables/messages"
+    assert hc.reader_location("file:///srv/objects/tables/messages/") == "file:/srv/objects/tables/messages"
+    assert hc.same_location("file:/srv/t", "file:///srv/t/") and not hc.same_location("file:/srv/t", "file:/srv/u")
+    assert not hc.same_location("s3a://b/t", "s3://b/t")
+
+
+# ---------------------------------------------------------------------------------------------- jobs + a metastore
+
+
+def _archive(tmp_path: Path, name: str, objects: Path, segs: list[dict], metastore: Metastore,
+             table: str = "tierfs.messages") -> dict:
+    d = tmp_path / name
+    write_input(d, {"url": f"file://{objects}", "options": {}}, stages=["archive"], commitlogs=segs,
+                archive_format="delta", broker="broker-a",
+                catalog={"kind": "hive", "uri": metastore.uri, "table": table})
+    r = _job(d)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((d / "result.json").read_text())
+
+
+def _by_topic(native: Path, rels: list[str]) -> Counter:
+    return Counter(m.topic for m in messages(native, rels).values())
+
+
+def test_archive_job_registers_the_table_in_a_hive_metastore(native, tmp_path, hive_metastore):
+    rels = sorted(sealed(native)["commitlog"])
+    a, b = tmp_path / "objects-a", tmp_path / "objects-b"
+    segs_a = [upload(open_store(f"file://{a}"), native, rel, GEN0 + i) for i, rel in enumerate(rels)]
+    segs_b = [upload(open_store(f"file://{b}"), native, rel, GEN0 + i) for i, rel in enumerate(rels[:2])]
+    loc_a, loc_b = (hc.reader_location(f"file://{x}/tables/messages") for x in (a, b))
+
+    # 1. the first job commits the table and registers it (database and table created)
+    r = _archive(tmp_path, "a1", a, segs_a, hive_metastore)
+    assert r["ok"], r["errors"]
+    assert r["catalog"] == dict(r["catalog"], registered=True, created=True, database_created=True,
+                                table="tierfs.messages", location=loc_a, uri=hive_metastore.uri)
+    # 2. again: nothing to archive, the entry is found where it belongs and left as it is
+    r = _archive(tmp_path, "a2", a, segs_a, hive_metastore)
+    assert r["ok"], r["errors"] and all(x["committed_before"] for x in r["archive"])
+    assert r["catalog"] == dict(r["catalog"], registered=True, created=False, database_created=False)
+
+    # 3. the metastore is down: store b's table is committed all the same, the registration failure reported
+    hive_metastore.stop()
+    r = _archive(tmp_path, "b-down", b, segs_b, hive_metastore, table="archive2.messages_b")
+    assert not r["ok"] and r["catalog"]["registered"] is False
+    assert [x["table_version"] for x in r["archive"]] == [0, 0]
+    (err,) = r["errors"]
+    assert err["path"] == "archive2.messages_b" and hive_metastore.uri in err["error"]
+    assert "archive.catalog_uri" in err["error"] and "the next archive job retries" in err["error"]
+    assert table_rows(f"file://{b}/tables/messages", ["topic"]).num_rows == sum(_by_topic(native, rels[:2]).values())
+    # 4. back up: the next job (nothing new to archive) registers it
+    hive_metastore.start()
+    r = _archive(tmp_path, "b-up", b, segs_b, hive_metastore, table="archive2.messages_b")
+    assert r["ok"], r["errors"]
+    assert r["catalog"] == dict(r["catalog"], registered=True, created=True, database_created=True)
+
+    # a reader's own Spark on the same metastore, with no CREATE TABLE of its own, reads both by name
+    spark = hive_sql(hive_metastore)
+    try:
+        for table, want in (("tierfs.messages", _by_topic(native, rels)),
+                            ("archive2.messages_b", _by_topic(native, rels[:2]))):
+            got = spark.sql(f"SELECT topic, count(*) AS n FROM {table} GROUP BY topic").collect()
+            assert {row.topic: row.n for row in got} == dict(want) and len(want) >= 2, table
+        # a name registered at another location is never re-pointed: an error naming the key and both locations
+        # (called in the reader's JVM, whose Hive client is the job driver's)
+        with pytest.raises(hc.CatalogError) as e:
+            hc.register(spark._jvm, hc.CatalogSpec("hive", hive_metastore.uri, "tierfs.messages"), loc_b)
+        for s in ("archive.catalog_table 'tierfs.messages'", f"at {loc_a!r}", f"table {loc_b!r}", "never re-points"):
+            assert s in str(e.value), str(e.value)
+        (row,) = spark.sql("DESCRIBE DETAIL tierfs.messages").collect()
+        assert (row.format, row.location, row.partitionColumns) == ("delta", loc_a, ["topic", "date"])
+    finally:
+        ds.stop(spark)
