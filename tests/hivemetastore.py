@@ -130,6 +130,7 @@ def hive_sql(metastore: Metastore):
     from pyspark.sql import SparkSession
 
     import deltaspark as ds
+    from tierfs.spark.job import QUICK_JVM  # the job driver's quick start: a reader's few queries gain from it too
 
     b = SparkSession.builder.master("local[1]").appName("tierfs-hive-reader") \
         .config("spark.jars", ",".join(ds.classpath()))
@@ -138,6 +139,7 @@ def hive_sql(metastore: Metastore):
                  "spark.sql.warehouse.dir": str(metastore.warehouse), "spark.ui.enabled": "false",
                  "spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "1",
                  "spark.databricks.delta.snapshotPartitions": "1", "spark.sql.session.timeZone": "UTC",
-                 "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}.items():
+                 "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                 "spark.driver.extraJavaOptions": QUICK_JVM}.items():
         b = b.config(k, v)
     return b.getOrCreate()

@@ -1,6 +1,7 @@
 """archive.catalog = hive: the archive job registers the Delta table in a real Hive Metastore (tests/hivemetastore.py).
 
-The store is the multi-topic one of tests/test_spark_job.py (examples/producer.py). Jobs run as the daemon runs
+The store is the multi-topic one of tests/test_spark_job.py (examples/producer.py), on the posix store and on Ceph
+RGW (registered at its s3a:// location, read through S3A). Jobs run as the daemon runs
 them (`python -m tierfs.spark`, a local SparkSession); a separate reader SparkSession with Hive support on the same
 metastore, which never creates a table itself, then counts every message by topic through the registered names.
 The metastore is stopped and started again (by PID) to check that a registration failure never costs the commit
@@ -59,10 +60,12 @@ def test_catalog_config_and_the_location_readers_use(tmp_path):
 # ---------------------------------------------------------------------------------------------- jobs + a metastore
 
 
-def _archive(tmp_path: Path, name: str, objects: Path, segs: list[dict], metastore: Metastore,
+def _archive(tmp_path: Path, name: str, store: Path | dict, segs: list[dict], metastore: Metastore,
              table: str = "tierfs.messages") -> dict:
+    """An archive job of `store` (a posix store's directory, or a spec) with archive.catalog = hive."""
     d = tmp_path / name
-    write_input(d, {"url": f"file://{objects}", "options": {}}, stages=["archive"], commitlogs=segs,
+    spec = store if isinstance(store, dict) else {"url": f"file://{store}", "options": {}}
+    write_input(d, spec, stages=["archive"], commitlogs=segs,
                 archive_format="delta", broker="broker-a",
                 catalog={"kind": "hive", "uri": metastore.uri, "table": table})
     r = _job(d)
@@ -74,7 +77,7 @@ def _by_topic(native: Path, rels: list[str]) -> Counter:
     return Counter(m.topic for m in messages(native, rels).values())
 
 
-def test_archive_job_registers_the_table_in_a_hive_metastore(native, tmp_path, hive_metastore):
+def test_archive_job_registers_the_table_in_a_hive_metastore(native, tmp_path, hive_metastore, rgw):
     rels = sorted(sealed(native)["commitlog"])
     a, b = tmp_path / "objects-a", tmp_path / "objects-b"
     segs_a = [upload(open_store(f"file://{a}"), native, rel, GEN0 + i) for i, rel in enumerate(rels)]
@@ -106,11 +109,25 @@ def test_archive_job_registers_the_table_in_a_hive_metastore(native, tmp_path, h
     assert r["ok"], r["errors"]
     assert r["catalog"] == dict(r["catalog"], registered=True, created=True, database_created=True)
 
+    # 5. a store on S3 (Ceph RGW): registered at the s3a:// location Spark readers use
+    bucket = rgw.make_bucket("archive-catalog")
+    s3 = {"url": f"s3://{bucket}/t", "options": {"endpoint_url": rgw.endpoint_url, "access_key": rgw.access_key,
+                                                 "secret_key": rgw.secret_key, "region": rgw.region,
+                                                 "addressing": "path", "max_attempts": 2}}
+    segs_s3 = [upload(open_store(s3["url"], **s3["options"]), native, rel, GEN0 + i) for i, rel in enumerate(rels[:2])]
+    r = _archive(tmp_path, "s3", s3, segs_s3, hive_metastore, table="archive2.messages_s3")
+    assert r["ok"], r["errors"]
+    assert r["catalog"] == dict(r["catalog"], registered=True, created=True, database_created=False,
+                                location=f"s3a://{bucket}/t/tables/messages")
+    assert rgw.secret_key not in (tmp_path / "s3" / "result.json").read_text()
+
     # a reader's own Spark on the same metastore, with no CREATE TABLE of its own, reads both by name
     spark = hive_sql(hive_metastore)
     try:
+        ds.s3a(spark, rgw.endpoint_url, rgw.access_key, rgw.secret_key, rgw.region)
         for table, want in (("tierfs.messages", _by_topic(native, rels)),
-                            ("archive2.messages_b", _by_topic(native, rels[:2]))):
+                            ("archive2.messages_b", _by_topic(native, rels[:2])),
+                            ("archive2.messages_s3", _by_topic(native, rels[:2]))):
             got = spark.sql(f"SELECT topic, count(*) AS n FROM {table} GROUP BY topic").collect()
             assert {row.topic: row.n for row in got} == dict(want) and len(want) >= 2, table
         # a name registered at another location is never re-pointed: an error naming the key and both locations
