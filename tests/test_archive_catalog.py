@@ -11,6 +11,7 @@ PID): a registration failure never costs the commit, and the next job registers 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -57,6 +58,23 @@ def test_catalog_config_and_the_location_readers_use(tmp_path):
     assert hc.reader_location("file:///srv/objects/tables/messages/") == "file:/srv/objects/tables/messages"
     assert hc.same_location("file:/srv/t", "file:///srv/t/") and not hc.same_location("file:/srv/t", "file:/srv/u")
     assert not hc.same_location("s3a://b/t", "s3://b/t")
+
+
+@pytest.mark.parametrize("catalog, fmt, message", [
+    ({"kind": "glue", "uri": "thrift://h:1", "table": "a.b"}, "delta", "'catalog' must be"),
+    ({"kind": "hive", "uri": "h:1", "table": "a.b"}, "delta", "'catalog': 'h:1' is not thrift://HOST:PORT"),
+    ({"kind": "hive", "uri": "thrift://h:1", "table": "ab"}, "delta", "'catalog': it must name a database"),
+    ({"kind": "hive", "uri": "thrift://h:1", "table": "a.b"}, "parquet", "needs 'archive_format' \"delta\""),
+])
+def test_bad_catalog_in_the_job_input_is_refused(tmp_path, catalog, fmt, message):
+    from tierfs.spark import job
+
+    doc = {"job_id": "j", "stages": ["archive"], "store": {"url": f"file://{tmp_path}"}, "store_id": "s1",
+           "commitlogs": [], "archive_format": fmt, "catalog": catalog}
+    with pytest.raises(job.InputError, match=message.replace("(", r"\(")):
+        job.parse_input(doc, tmp_path, "input.json")
+    ok = job.parse_input(dict(doc, archive_format="delta", catalog={}), tmp_path, "input.json")
+    assert ok.catalog is None
 
 
 # ---------------------------------------------------------------------------------------------- jobs + a metastore
