@@ -71,7 +71,7 @@ def test_bad_catalog_in_the_job_input_is_refused(tmp_path, catalog, fmt, message
 
     doc = {"job_id": "j", "stages": ["archive"], "store": {"url": f"file://{tmp_path}"}, "store_id": "s1",
            "commitlogs": [], "archive_format": fmt, "catalog": catalog}
-    with pytest.raises(job.InputError, match=message.replace("(", r"\(")):
+    with pytest.raises(job.InputError, match=re.escape(message)):
         job.parse_input(doc, tmp_path, "input.json")
     ok = job.parse_input(dict(doc, archive_format="delta", catalog={}), tmp_path, "input.json")
     assert ok.catalog is None
