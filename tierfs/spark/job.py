@@ -24,12 +24,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tierfs import failpoints
 from tierfs.spark import cds
 from tierfs.store import indexfile
 from tierfs.store.paths import Kind, classify
+
+if TYPE_CHECKING:
+    from tierfs.spark.catalog import CatalogSpec
 
 STAGES = ("segments", "index", "archive")
 ITEMS_KEY = {"segments": "segments", "index": "indexes", "archive": "commitlogs"}
@@ -82,7 +85,7 @@ class JobInput:
     broker: str = ""                      # the broker name of the table's rows ("": unnamed, see archive.broker_group)
     table_retention_days: float = 0.0     # the table's rows older than this many days are expired (0: kept)
     vacuum_grace_hours: int = 168         # table files unreferenced this long are vacuumed
-    catalog: Any = None                   # tierfs.spark.catalog.CatalogSpec: register the table there (or None)
+    catalog: CatalogSpec | None = None    # archive.catalog: register the table there
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -218,7 +221,7 @@ def parse_input(doc: dict, job_dir: Path, where: str) -> JobInput:
     return inp
 
 
-def _parse_catalog(doc: Any, archive_format: str, where: str) -> Any:
+def _parse_catalog(doc: Any, archive_format: str, where: str) -> CatalogSpec | None:
     """'catalog': {"kind": "hive", "uri": "thrift://...", "table": "db.t"} (archive.catalog*), or absent/none."""
     from tierfs.spark.catalog import CatalogSpec, check_table_name, check_uris
 
@@ -702,11 +705,13 @@ def _register_table(inp: JobInput, spark, result: dict) -> None:
         hive_conf = {k[len("spark.hadoop."):]: v for k, v in inp.spark.items() if k.startswith("spark.hadoop.hive.")}
         out.update(register(spark._jvm, cat, location, hive_conf, spark.version), registered=True)
     except Exception as e:  # noqa: BLE001 - reported; the table's commit stands
-        why = str(e) if isinstance(e, CatalogError) else _spark_error(e)
+        conflict = isinstance(e, CatalogError)  # retrying cannot help: a setting (or the metastore) must change
+        why = str(e) if conflict else _spark_error(e)
         out["error"] = why
+        then = "refused" if conflict else "the next archive job retries"
         result["errors"].append({"stage": "archive", "path": cat.table,
                                  "error": f"archive table not registered as {cat.table} in the Hive Metastore "
-                                          f"{cat.uri} (archive.catalog_uri); the next archive job retries: {why}"})
+                                          f"{cat.uri} (archive.catalog_uri); {then}: {why}"})
         print(f"tierfs.spark: warning: {result['errors'][-1]['error']}", file=sys.stderr)
 
 

@@ -442,11 +442,12 @@ class Compactor:
                    "archive_rows": sum(r.get("rows", 0) for r in result.get("archive") or []),
                    "archive_deleted": len(result.get("archive_deleted") or []),
                    "table_expiry": result.get("table_expiry"), "catalog": result.get("catalog")}
-        if result.get("catalog") is not None:
-            self._catalog_pending = bool(result["catalog"].get("error"))
-        if (result.get("catalog") or {}).get("error"):
-            log.warning("archive table not registered in the catalog (the next archive job retries): %s",
-                        result["catalog"]["error"])
+        cat = result.get("catalog")
+        if cat is not None:  # archive.catalog: a failed registration makes the next archive job run, to retry it
+            self._catalog_pending = bool(cat.get("error"))
+            if cat.get("error"):
+                log.warning("archive table not registered in the catalog (the next archive job retries): %s",
+                            cat["error"])
         write_json_atomic(d / "applied.json", summary)
         log.info("compaction job %s applied: %s; %d skipped, %d errors", summary["job_id"], applied,
                  len(summary["skipped"]), len(summary["errors"]))
