@@ -89,3 +89,21 @@ print(*deltaspark.resolve_args())' "$REPO/tests")" || { log "error: cannot tell 
     || { log "error: Delta Lake's Spark runtime did not resolve from Maven Central (${args[*]})"; exit 1; }
   mv "$out.tmp" "$out"
 }
+
+# A Hive Metastore server (3.1, standalone, with Hadoop's and Derby's jars) for the tests of archive.catalog = hive:
+# its jars from Maven Central into ~/.m2, their classpath into ~/.cache/tierfs/hive-metastore/<version>/classpath
+# (tests/hivemetastore.py names the version and starts the server). A failure stops the install: those tests must
+# fail, never skip.
+install_hive_metastore() {
+  command -v mvn >/dev/null 2>&1 || apt_install maven
+  local v out
+  v="$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import hivemetastore; print(hivemetastore.HIVE_VERSION)' \
+    "$REPO/tests")" || { log "error: cannot tell which Hive Metastore the tests need"; exit 1; }
+  out="${TIERFS_HIVE_CACHE:-$HOME/.cache/tierfs/hive-metastore}/$v/classpath"
+  [ -s "$out" ] && [ "$out" -nt "$REPO/tests/hive/pom.xml" ] && return 0
+  log "resolving the Hive Metastore $v with Maven"
+  mkdir -p "$(dirname "$out")"
+  mvn -q -B -f "$REPO/tests/hive/pom.xml" "-Dhive.version=$v" dependency:build-classpath -DincludeScope=runtime \
+    "-Dmdep.outputFile=$out.tmp" || { log "error: the Hive Metastore $v did not resolve from Maven Central"; exit 1; }
+  mv "$out.tmp" "$out"
+}

@@ -307,6 +307,19 @@ SCHEMA: tuple[Key, ...] = (
     Key("archive.retention", "str", "",
         "Per-topic retention of the archive (archive.format = parquet): TOPIC=DAYS,...,*=DAYS (days after the "
         "message date). Empty: keep forever."),
+    Key("archive.catalog", "choice", "none",
+        "Where readers find the archive table (archive.format = delta) by name. none: by its location only (the "
+        "Delta log beside the objects is its catalog; readers run CREATE TABLE ... USING DELTA LOCATION "
+        "themselves). hive: after its commits the archive job registers it in the Hive Metastore at "
+        "archive.catalog_uri as the external Delta table archive.catalog_table (created if missing, never "
+        "re-pointed; a metastore that is down fails only the registration, retried by the next job).",
+        choices=("none", "hive")),
+    Key("archive.catalog_uri", "str", "",
+        "The Hive Metastore of archive.catalog = hive: thrift://HOST:PORT (several, comma-separated, are tried in "
+        "turn)."),
+    Key("archive.catalog_table", "str", "tierfs.messages",
+        "DATABASE.TABLE the archive table is registered as (archive.catalog = hive); the database is created if "
+        "missing. Letters, digits and '_'."),
     Key("spark.master", "str", "local[*]",
         "Spark master for pipeline jobs. Any other spark.* key is passed through to the SparkSession."),
     # --- metrics -------------------------------------------------------------------------------------
@@ -419,6 +432,8 @@ class Config:
                     overridden.append(name)
                 except ConfigError as e:
                     errors.append(str(e))
+        if not errors:
+            errors += check_together(cfg)
         if len(errors) == 1:
             raise ConfigError(errors[0])
         if errors:
@@ -477,17 +492,40 @@ def _check_stages(key: "Key", value: str) -> None:
                           f"of segments, index, archive")
 
 
-def _check_roots(key: "Key", value: str) -> None:
-    from tierfs.tier.storeroots import check_roots  # noqa: PLC0415 (pure, no I/O at import)
+def _checked_by(module: str, func: str, allowed: str) -> Callable[["Key", Any], None]:
+    """A key's check from a pure `func(value) -> why it is wrong, or None` of `module` (imported when used: no
+    I/O, no cycle at import)."""
+    def check(key: "Key", value: str) -> None:
+        import importlib  # noqa: PLC0415
 
-    why = check_roots(value)
-    if why:
-        raise ConfigError(f"config key '{key.name}': invalid value {value!r}: {why}; allowed: relative "
-                          f"directories separated by commas, e.g. 'master,slave'")
+        why = getattr(importlib.import_module(module), func)(value)
+        if why:
+            raise ConfigError(f"config key '{key.name}': invalid value {value!r}: {why}; allowed: {allowed}")
+    return check
+
+
+def check_together(cfg: "Config") -> list[str]:
+    """What is wrong with keys that only make sense together (checked once every key is set)."""
+    errors = []
+    if cfg["archive.catalog"] == "hive":
+        if not cfg["archive.catalog_uri"]:
+            errors.append("config key 'archive.catalog' is 'hive' but 'archive.catalog_uri' is empty: set "
+                          "archive.catalog_uri = \"thrift://HOST:9083\" (the Hive Metastore), or archive.catalog "
+                          "= \"none\"")
+        if cfg["archive.format"] != "delta":
+            errors.append("config key 'archive.catalog' is 'hive' but 'archive.format' is "
+                          f"{cfg['archive.format']!r}: only the Delta table (archive.format = \"delta\") is "
+                          "registered in a catalog; set archive.format = \"delta\" or archive.catalog = \"none\"")
+    return errors
 
 
 _CHECKS: dict[str, Callable[["Key", Any], None]] = {
-    "store.roots": _check_roots,
+    "archive.catalog_uri": _checked_by("tierfs.spark.catalog", "check_uris",
+                                       "thrift://HOST:PORT of a Hive Metastore, e.g. 'thrift://metastore.example:9083'"),
+    "archive.catalog_table": _checked_by("tierfs.spark.catalog", "check_table_name",
+                                         "DATABASE.TABLE of letters, digits and '_', e.g. 'tierfs.messages'"),
+    "store.roots": _checked_by("tierfs.tier.storeroots", "check_roots",
+                               "relative directories separated by commas, e.g. 'master,slave'"),
     "archive.retention": _check_retention,
     "metrics.listen": _check_listen,
     "compaction.stages": _check_stages,

@@ -24,12 +24,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tierfs import failpoints
 from tierfs.spark import cds
 from tierfs.store import indexfile
 from tierfs.store.paths import Kind, classify
+
+if TYPE_CHECKING:
+    from tierfs.spark.catalog import CatalogSpec
 
 STAGES = ("segments", "index", "archive")
 ITEMS_KEY = {"segments": "segments", "index": "indexes", "archive": "commitlogs"}
@@ -82,6 +85,7 @@ class JobInput:
     broker: str = ""                      # the broker name of the table's rows ("": unnamed, see archive.broker_group)
     table_retention_days: float = 0.0     # the table's rows older than this many days are expired (0: kept)
     vacuum_grace_hours: int = 168         # table files unreferenced this long are vacuumed
+    catalog: CatalogSpec | None = None    # archive.catalog: register the table there
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -205,15 +209,34 @@ def parse_input(doc: dict, job_dir: Path, where: str) -> JobInput:
             or not isinstance(grace, int) or isinstance(grace, bool) or grace < 0:
         raise InputError(f"{where}: 'table_expiry' must be an object with retention_days (a number >= 0) and "
                          f"vacuum_grace_hours (an integer >= 0), not {json.dumps(expiry)[:80]}")
+    catalog = _parse_catalog(doc.get("catalog"), archive_format, where)
     inp = JobInput(job_dir=job_dir, job_id=job_id, stages=[s for s in STAGES if s in stages],
                    store={"url": url.strip(), "options": dict(options)}, store_id=store_id, spark=spark, items=items,
                    max_hash_slot_num=limits["max_hash_slot_num"], max_index_num=limits["max_index_num"],
                    retention=retention, today=today, posix_shared=posix_shared, archive_format=archive_format,
                    broker=broker.strip(), table_retention_days=float(days),
-                   vacuum_grace_hours=grace, raw=doc)
+                   vacuum_grace_hours=grace, catalog=catalog, raw=doc)
     if inp.store["url"].lower().startswith("file:") and not is_local_master(inp.master) and not posix_shared:
         raise InputError(f"{where}: store {inp.store['url']!r} with spark.master {inp.master!r}: {SHARED_HINT}")
     return inp
+
+
+def _parse_catalog(doc: Any, archive_format: str, where: str) -> CatalogSpec | None:
+    """'catalog': {"kind": "hive", "uri": "thrift://...", "table": "db.t"} (archive.catalog*), or absent/none."""
+    from tierfs.spark.catalog import CatalogSpec, check_table_name, check_uris
+
+    if doc is None or (isinstance(doc, dict) and doc.get("kind", "none") == "none"):
+        return None
+    what = '{"kind": "hive", "uri": "thrift://HOST:PORT", "table": "DATABASE.TABLE"}'
+    if not isinstance(doc, dict) or doc.get("kind") != "hive" or not all(
+            isinstance(doc.get(k), str) for k in ("uri", "table")):
+        raise InputError(f"{where}: 'catalog' must be {what} or absent, not {json.dumps(doc)[:80]}")
+    why = check_uris(doc["uri"]) or check_table_name(doc["table"])
+    if why:
+        raise InputError(f"{where}: 'catalog': {why}")
+    if archive_format != "delta":
+        raise InputError(f"{where}: 'catalog' registers the Delta table: it needs 'archive_format' \"delta\"")
+    return CatalogSpec("hive", doc["uri"].strip(), doc["table"])
 
 
 def check_item(stage: str, seg: Any) -> str | None:
@@ -610,6 +633,8 @@ def run_job(inp: JobInput, spark, progress: Progress) -> dict:
             _commit_table(inp, pending, replicas, result)
             if inp.table_retention_days > 0:
                 _expire_table(inp, result)
+            if inp.catalog is not None:
+                _register_table(inp, spark, result)
         elif stage == "archive":
             _sweep(inp, result, lease)
         result["stages"][stage] = vars(report)
@@ -713,6 +738,38 @@ def _expire_table(inp: JobInput, result: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported, the rest of the job stands
         result["errors"].append({"stage": "archive", "path": spec.uri,
                                  "error": f"archive table expiry failed: {type(e).__name__}: {e}"})
+
+
+def _register_table(inp: JobInput, spark, result: dict) -> None:
+    """archive.catalog = hive (tierfs.spark.catalog.register), after the commit and apart from it: a failure is
+    result["catalog"]["error"] and an errors[] entry, the committed table stands, the next job registers it. A
+    table not created yet (nothing archived so far) is not registered."""
+    from deltalake import DeltaTable
+
+    from tierfs.spark.catalog import CatalogError, reader_location, register
+    from tierfs.spark.table import TableSpec
+
+    spec = TableSpec.of_store(inp.store["url"], inp.store["options"])
+    cat = inp.catalog
+    location = reader_location(spec.uri)
+    out: dict[str, Any] = {"kind": cat.kind, "uri": cat.uri, "table": cat.table, "location": location,
+                           "registered": False}
+    result["catalog"] = out
+    try:
+        if not DeltaTable.is_deltatable(spec.uri, storage_options=spec.storage_options or None):
+            out["note"] = "no table yet"
+            return
+        hive_conf = {k[len("spark.hadoop."):]: v for k, v in inp.spark.items() if k.startswith("spark.hadoop.hive.")}
+        out.update(register(spark._jvm, cat, location, hive_conf, spark.version), registered=True)
+    except Exception as e:  # noqa: BLE001 - reported; the table's commit stands
+        conflict = isinstance(e, CatalogError)  # retrying cannot help: a setting (or the metastore) must change
+        why = str(e) if conflict else _spark_error(e)
+        out["error"] = why
+        then = "refused" if conflict else "the next archive job retries"
+        result["errors"].append({"stage": "archive", "path": cat.table,
+                                 "error": f"archive table not registered as {cat.table} in the Hive Metastore "
+                                          f"{cat.uri} (archive.catalog_uri); {then}: {why}"})
+        print(f"tierfs.spark: warning: {result['errors'][-1]['error']}", file=sys.stderr)
 
 
 def _sweep(inp: JobInput, result: dict, lease: dict | None) -> None:

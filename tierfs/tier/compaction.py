@@ -157,6 +157,9 @@ class Compactor:
         self._archive_job_seconds = 0.0  # how long the last job archiving anything took (freshness scheduling)
         self._fresh_not_before = 0.0
         self._expired_at: float | None = None
+        # archive.catalog: not known to be registered (at start, or after a failed registration): the next archive
+        # job runs even with nothing to archive, to register the table
+        self._catalog_pending = True
         self.last_archive_lag: float | None = None  # worst seal-to-table lag of the last job's segments
 
     # ------------------------------------------------------------------ loops
@@ -256,7 +259,7 @@ class Compactor:
                 inp = await self._build_input(job, spark, min_age)
                 write_json_atomic(d / "input.json", inp, mode=0o600)
                 n = len(inp["segments"]) + len(inp["indexes"]) + len(inp["commitlogs"])
-                if n == 0 and not inp.get("table_expiry"):
+                if n == 0 and not inp.get("table_expiry") and not (inp.get("catalog") and self._catalog_pending):
                     summary = {"job_id": job_id, "ok": True, "trigger": trigger, "stages": stages, "applied": {},
                                "skipped": [], "errors": [], "seconds": 0.0, "note": "nothing to do"}
                     write_json_atomic(d / "applied.json", summary)
@@ -311,6 +314,11 @@ class Compactor:
         if "archive" in job.stages and self.config["archive.format"] == "delta" and days > 0 and \
                 (self._expired_at is None or time.monotonic() - self._expired_at >= EXPIRY_PERIOD):
             expiry = {"retention_days": days, "vacuum_grace_hours": int(self.config["archive.vacuum_grace_hours"])}
+        catalog = {}
+        if "archive" in job.stages and self.config["archive.format"] == "delta" and \
+                self.config["archive.catalog"] != "none":
+            catalog = {"kind": self.config["archive.catalog"], "uri": self.config["archive.catalog_uri"],
+                       "table": self.config["archive.catalog_table"]}
         return {
             "job_id": job.job_id,
             "trigger": job.trigger,
@@ -326,6 +334,7 @@ class Compactor:
                         and (e.path, "cidx", e.generation) not in have],
             "commitlogs": commitlogs,
             "table_expiry": expiry,
+            "catalog": catalog,
             "max_hash_slot_num": int(self.config["broker.max_hash_slot_num"]),
             "max_index_num": int(self.config["broker.max_index_num"]),
             "retention": retention,
@@ -432,7 +441,13 @@ class Compactor:
                    "bytes_out": sum(r.get("compressed_bytes", 0) for r in result.get("segments") or []),
                    "archive_rows": sum(r.get("rows", 0) for r in result.get("archive") or []),
                    "archive_deleted": len(result.get("archive_deleted") or []),
-                   "table_expiry": result.get("table_expiry")}
+                   "table_expiry": result.get("table_expiry"), "catalog": result.get("catalog")}
+        cat = result.get("catalog")
+        if cat is not None:  # archive.catalog: a failed registration makes the next archive job run, to retry it
+            self._catalog_pending = bool(cat.get("error"))
+            if cat.get("error"):
+                log.warning("archive table not registered in the catalog (the next archive job retries): %s",
+                            cat["error"])
         write_json_atomic(d / "applied.json", summary)
         log.info("compaction job %s applied: %s; %d skipped, %d errors", summary["job_id"], applied,
                  len(summary["skipped"]), len(summary["errors"]))
