@@ -760,7 +760,8 @@ def _register_table(inp: JobInput, spark, result: dict) -> None:
             out["note"] = "no table yet"
             return
         hive_conf = {k[len("spark.hadoop."):]: v for k, v in inp.spark.items() if k.startswith("spark.hadoop.hive.")}
-        out.update(register(spark._jvm, cat, location, hive_conf, spark.version), registered=True)
+        sc = spark.sparkContext  # registration needs the driver's JVM: a Session starts here if no stage did
+        out.update(register(sc._jvm, cat, location, hive_conf, sc.version), registered=True)
     except Exception as e:  # noqa: BLE001 - reported; the table's commit stands
         conflict = isinstance(e, CatalogError)  # retrying cannot help: a setting (or the metastore) must change
         why = str(e) if conflict else _spark_error(e)
