@@ -433,7 +433,7 @@ class AppendLog:
         self.last_error = ""
         self.last_round = {"time": t0, "seconds": round(time.monotonic() - m0, 3), "append_objects": n_obj,
                            "append_bytes": n_bytes, "snapshot_seq": (snap or {}).get("seq"),
-                           "files": len(files)}
+                           "files": len(files), "files_behind": len(failed)}
         return True
 
     # ------------------------------------------------------------------ resuming
