@@ -208,7 +208,8 @@ SCHEMA: tuple[Key, ...] = (
         "Store the chunks of sealed segments content-addressed (<store-id>/cas/<sha256>), so byte-identical "
         "segments (a broker group's replicas under one mount) are stored once. auto: when the store roots are "
         "below the mount root (store.roots, or found by layout: a group's layout) or upload.dedup_group is set; "
-        "on: always; off: never (keys per row). Costs a sha256 pass (in the upload's thread) and one catalog transaction per chunk.",
+        "on: always; off: never (keys per row). Costs a sha256 pass (in the upload's thread) and one catalog "
+        "transaction per chunk.",
         choices=("auto", "on", "off")),
     Key("upload.dedup_group", "str", "",
         "A broker group whose replicas run on separate mounts sharing one bucket: their content-addressed chunks "

@@ -158,7 +158,7 @@ class Compactor:
         self._fresh_not_before = 0.0
         self._expired_at: float | None = None
         # archive.catalog: not known to be registered (at start, or after a failed registration): the next archive
-        # job runs even with nothing to archive, to register the table
+        # job registers the table, and runs even with nothing to archive; once registered, jobs leave it alone
         self._catalog_pending = True
         self.last_archive_lag: float | None = None  # worst seal-to-table lag of the last job's segments
 
@@ -259,7 +259,7 @@ class Compactor:
                 inp = await self._build_input(job, spark, min_age)
                 write_json_atomic(d / "input.json", inp, mode=0o600)
                 n = len(inp["segments"]) + len(inp["indexes"]) + len(inp["commitlogs"])
-                if n == 0 and not inp.get("table_expiry") and not (inp.get("catalog") and self._catalog_pending):
+                if n == 0 and not inp.get("table_expiry") and not inp.get("catalog"):
                     summary = {"job_id": job_id, "ok": True, "trigger": trigger, "stages": stages, "applied": {},
                                "skipped": [], "errors": [], "seconds": 0.0, "note": "nothing to do"}
                     write_json_atomic(d / "applied.json", summary)
@@ -314,9 +314,10 @@ class Compactor:
         if "archive" in job.stages and self.config["archive.format"] == "delta" and days > 0 and \
                 (self._expired_at is None or time.monotonic() - self._expired_at >= EXPIRY_PERIOD):
             expiry = {"retention_days": days, "vacuum_grace_hours": int(self.config["archive.vacuum_grace_hours"])}
-        catalog = {}
+        catalog = {}  # asked for only until a registration succeeded: a registered table needs no metastore call,
+        # and a replica whose segments the table holds then starts no Spark just to register it again
         if "archive" in job.stages and self.config["archive.format"] == "delta" and \
-                self.config["archive.catalog"] != "none":
+                self.config["archive.catalog"] != "none" and self._catalog_pending:
             catalog = {"kind": self.config["archive.catalog"], "uri": self.config["archive.catalog_uri"],
                        "table": self.config["archive.catalog_table"]}
         return {
